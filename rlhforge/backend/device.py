@@ -1,0 +1,85 @@
+"""The one module that knows device strings and process-group backends."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def dist_info() -> DistInfo:
+    """Rank/world size from the launcher's environment (torchrun, deepspeed, Ray)."""
+    return DistInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--train.device cuda was requested but CUDA is not available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def process_group_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(device: torch.device) -> None:
+    """Initialise torch.distributed once when launched with several processes."""
+    import torch.distributed as dist
+
+    info = dist_info()
+    if info.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=process_group_backend(device))
+
+
+def default_attn_implementation(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            return "sdpa"
+    return "sdpa"
+
+
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

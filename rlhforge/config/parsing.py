@@ -1,0 +1,259 @@
+"""Command line + YAML -> one frozen config dataclass.
+
+Order of precedence: dataclass defaults < ``--config file.yaml`` < command-line flags. Flags and
+``--help`` are derived from the dataclasses by tyro. Before tyro sees the command line, OpenRLHF's
+flat flag names are rewritten to our dotted ones (``--adam.lr`` -> ``--optim.adam.lr``; the
+pre-0.10 flat names such as ``--pretrain`` with a one-line deprecation notice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: the message says which field and why."""
+
+
+# OpenRLHF 0.11 names that are flat there but grouped here. Rewritten silently.
+CURRENT_FLAT_ALIASES: dict[str, str] = {
+    "--optim": "--optim.name",
+    "--lr_scheduler": "--optim.lr_scheduler",
+    "--lr_warmup_ratio": "--optim.lr_warmup_ratio",
+    "--min_lr_ratio": "--optim.min_lr_ratio",
+    "--max_norm": "--optim.max_norm",
+    "--adam.lr": "--optim.adam.lr",
+    "--adam.betas": "--optim.adam.betas",
+    "--adam.eps": "--optim.adam.eps",
+    "--adam.weight_decay": "--optim.adam.weight_decay",
+}
+
+# OpenRLHF <= 0.9 flat names shared by SFT/RM/DPO (and PPO where the field exists).
+# Rewritten with a deprecation notice. Per-command tables extend this one.
+LEGACY_ALIASES: dict[str, str] = {
+    "--pretrain": "--model.model_name_or_path",
+    "--save_path": "--ckpt.output_dir",
+    "--ckpt_path": "--ckpt.path",
+    "--save_steps": "--ckpt.save_steps",
+    "--save_hf_ckpt": "--ckpt.save_hf",
+    "--disable_ds_ckpt": "--ckpt.disable_ds",
+    "--max_ckpt_num": "--ckpt.max_num",
+    "--max_ckpt_mem": "--ckpt.max_mem",
+    "--load_checkpoint": "--ckpt.load_enable",
+    "--logging_steps": "--logger.logging_steps",
+    "--eval_steps": "--eval.steps",
+    "--use_tensorboard": "--logger.tensorboard_dir",
+    "--use_wandb": "--logger.wandb.key",
+    "--wandb_org": "--logger.wandb.org",
+    "--wandb_group": "--logger.wandb.group",
+    "--wandb_project": "--logger.wandb.project",
+    "--wandb_run_name": "--logger.wandb.run_name",
+    "--micro_train_batch_size": "--train.micro_batch_size",
+    "--train_batch_size": "--train.batch_size",
+    "--max_epochs": "--train.max_epochs",
+    "--seed": "--train.seed",
+    "--full_determinism": "--train.full_determinism_enable",
+    "--gradient_checkpointing": "--model.gradient_checkpointing_enable",
+    "--gradient_checkpointing_use_reentrant": "--model.gradient_checkpointing_reentrant",
+    "--aux_loss_coef": "--model.aux_loss_coef",
+    "--zero_stage": "--ds.zero_stage",
+    "--zpg": "--ds.zpg",
+    "--adam_offload": "--ds.adam_offload",
+    "--attn_implementation": "--ds.attn_implementation",
+    "--packing_samples": "--ds.packing_samples",
+    "--grad_accum_dtype": "--ds.grad_accum_dtype",
+    "--overlap_comm": "--ds.overlap_comm",
+    "--load_in_4bit": "--ds.load_in_4bit",
+    "--lora_rank": "--ds.lora.rank",
+    "--lora_alpha": "--ds.lora.alpha",
+    "--target_modules": "--ds.lora.target_modules",
+    "--lora_dropout": "--ds.lora.dropout",
+    "--use_liger_kernel": "--ds.use_liger_kernel",
+    "--ring_attn_size": "--ds.ring_attn_size",
+    "--dataset": "--data.dataset",
+    "--dataset_probs": "--data.dataset_probs",
+    "--dataset_split": "--data.dataset_split",
+    "--eval_dataset": "--eval.dataset",
+    "--eval_split": "--eval.split",
+    "--max_samples": "--data.max_samples",
+    "--input_key": "--data.input_key",
+    "--output_key": "--data.output_key",
+    "--input_template": "--data.input_template",
+    "--apply_chat_template": "--data.apply_chat_template",
+    "--tokenizer_chat_template": "--data.tokenizer_chat_template",
+    "--max_len": "--data.max_len",
+    "--multiturn": "--data.multiturn",
+    "--pretrain_mode": "--model.pretrain_mode_enable",
+    "--disable_fast_tokenizer": "--data.disable_fast_tokenizer",
+    "--learning_rate": "--optim.adam.lr",
+    "--l2": "--optim.adam.weight_decay",
+}
+
+# Legacy switches whose meaning is carried by a value in the new layout.
+LEGACY_SWITCHES: dict[str, list[str]] = {
+    "--bf16": ["--ds.param_dtype", "bf16"],
+    "--use_tensorboard": [],  # handled as alias with value
+    "--flash_attn": ["--ds.attn_implementation", "flash_attention_2"],
+}
+
+
+def rewrite_aliases(
+    argv: Sequence[str],
+    current: dict[str, str] | None = None,
+    legacy: dict[str, str] | None = None,
+    warn=lambda msg: print(msg, file=sys.stderr),
+) -> list[str]:
+    """Map OpenRLHF flag names onto ours. ``--flag=value`` and ``--flag value`` both work."""
+    current = CURRENT_FLAT_ALIASES if current is None else current
+    legacy = LEGACY_ALIASES if legacy is None else legacy
+    out: list[str] = []
+    for token in argv:
+        name, eq, value = token.partition("=")
+        if not name.startswith("--"):
+            out.append(token)
+            continue
+        if name in current:
+            out.append(current[name] + eq + value)
+        elif name in LEGACY_SWITCHES and LEGACY_SWITCHES[name]:
+            warn(f"[rlhforge] {name} is deprecated; use {' '.join(LEGACY_SWITCHES[name])}")
+            out.extend(LEGACY_SWITCHES[name])
+        elif name in legacy:
+            warn(f"[rlhforge] {name} is deprecated; use {legacy[name]}")
+            out.append(legacy[name] + eq + value)
+        else:
+            out.append(token)
+    return out
+
+
+def _pop_config_path(argv: list[str]) -> str | None:
+    for i, token in enumerate(argv):
+        if token == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a path to a YAML file")
+            path = argv[i + 1]
+            del argv[i : i + 2]
+            return path
+        if token.startswith("--config="):
+            del argv[i]
+            return token.split("=", 1)[1]
+    return None
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _nest_dotted(data: dict[str, Any]) -> dict[str, Any]:
+    """``{"train.seed": 1}`` -> ``{"train": {"seed": 1}}`` (nested and dotted keys may mix)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        parts = str(key).split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"key {key!r} conflicts with a scalar value")
+        leaf = parts[-1]
+        if isinstance(value, dict):
+            value = _nest_dotted(value)
+            if isinstance(node.get(leaf), dict):
+                node[leaf].update(value)
+                continue
+        node[leaf] = value
+    return out
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:
+    """Build dataclass ``cls`` from a (possibly dotted) mapping; unknown keys are errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    data = _nest_dotted(data)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(
+                f"{where}: unknown key {key!r} in section {cls.__name__}; valid keys: {', '.join(sorted(fields))}"
+            )
+        tp = _unwrap_optional(hints[key])
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value or {}, f"{where}.{key}")
+        elif value is None:
+            kwargs[key] = None
+        elif typing.get_origin(tp) is tuple:
+            kwargs[key] = tuple(value if isinstance(value, (list, tuple)) else [value])
+        elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            kwargs[key] = float(value)
+        elif tp in (int, str, bool) and not isinstance(value, tp):
+            raise ConfigError(f"{where}.{key}: expected {tp.__name__}, got {value!r}")
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def load_yaml(cls: type[T], path: str | Path) -> T:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path}: not valid YAML: {err}") from err
+    return from_dict(cls, data, where=str(path))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    def plain(value: Any) -> Any:
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def save_yaml(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config (atomically) so the run can be reproduced with ``--config``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
+
+
+def parse_args(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str | None = None,
+    description: str | None = None,
+    legacy: dict[str, str] | None = None,
+) -> T:
+    """Parse ``argv`` into ``cls``: defaults < ``--config`` YAML < flags; then ``cfg.validate()``."""
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = rewrite_aliases(argv, legacy=legacy)
+    config_path = _pop_config_path(argv)
+    default = load_yaml(cls, config_path) if config_path else cls()
+    cfg = tyro.cli(cls, args=argv, default=default, prog=prog, description=description, use_underscores=True)
+    validate = getattr(cfg, "validate", None)
+    if validate is not None:
+        validate()
+    return cfg

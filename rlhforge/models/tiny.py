@@ -1,0 +1,150 @@
+"""Tiny Llama-style causal LMs and locally trained BPE tokenizers, built without a hub.
+
+``build_tiny_model(out_dir)`` writes a folder that ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` load offline: a byte-level BPE tokenizer trained with
+``tokenizers`` on a deterministic built-in corpus (so every byte is encodable), a ChatML chat
+template with ``{% generation %}`` markers (assistant-token masks for multi-turn SFT), ``<pad>`` as
+pad token and ``<|im_end|>`` as eos, and randomly initialised weights. The defaults give
+head_dim 32, the smallest vLLM's CPU attention accepts. The same seed gives the same files.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+PAD, BOS, EOS, IM_START = "<pad>", "<|endoftext|>", "<|im_end|>", "<|im_start|>"
+SPECIAL_TOKENS = [PAD, BOS, IM_START, EOS]
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}"
+    "{{- message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_WORDS = (
+    "the a an of to and in is it that for on with as was be by this are or his from at which but "
+    "not have had they you were their one all we can her has there been if more when will would who "
+    "so no what out up into do than time only could new some these two may first then any like "
+    "other how years our over such many well most where after between much through because just "
+    "user assistant system answer question solve compute add sum plus minus times equals number "
+    "result what is the value of think step final reverse sort count letters word list yes no true "
+    "false good bad correct wrong hello world please thanks python code print return def import"
+).split()
+
+
+def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    """Deterministic text: words, arithmetic, digit strings, chat markup and every byte value."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.random()
+        if kind < 0.4:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12))).capitalize() + ".")
+        elif kind < 0.8:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op = rng.choice("+-*")
+            value = a + b if op == "+" else a - b if op == "-" else a * b
+            lines.append(f"What is {a} {op} {b}? The answer is {value}.")
+        else:
+            lines.append("".join(rng.choice("0123456789 abcdefghijklmnopqrstuvwxyz") for _ in range(20)))
+    lines.append("".join(chr(i) for i in range(32, 127)))
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 1024, seed: int = 0, padding_side: str = "left"):
+    """Train a byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=BOS,
+        unk_token=None,
+        padding_side=padding_side,
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Size of a tiny Llama. Defaults: ~0.4M parameters with a 1k vocabulary, head_dim 32."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        head_dim = self.hidden_size // self.num_attention_heads
+        if head_dim < 32:
+            raise ValueError(
+                f"head_dim = hidden_size / num_attention_heads = {self.hidden_size} / "
+                f"{self.num_attention_heads} = {head_dim}; vLLM's CPU attention needs head_dim >= 32"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0) -> Path:
+    """Write a tiny causal LM + tokenizer to ``out_dir`` and return the path."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size, seed=seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
