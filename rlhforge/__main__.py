@@ -1,0 +1,5 @@
+import sys
+
+from rlhforge.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,157 @@
+"""DeepSpeed ZeRO 0-3 strategy (CPU with gloo, GPU with nccl), with optional optimizer offload."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from rlhforge.backend.device import dist_info, resolve_device, resolve_dtype
+from rlhforge.backend.optim import build_optimizer, build_scheduler
+from rlhforge.backend.strategy import all_reduce_tensor
+
+
+def deepspeed_config(ds_cfg, optim_cfg, dtype: torch.dtype, micro_batch_size: int, grad_accum_steps: int) -> dict:
+    zero: dict = {
+        "stage": ds_cfg.zero_stage,
+        "overlap_comm": ds_cfg.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": "auto" if False else 5e7,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
+    if ds_cfg.zpg > 1:
+        zero["zero_hpz_partition_size"] = ds_cfg.zpg
+    if ds_cfg.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "gradient_clipping": optim_cfg.max_norm if optim_cfg.max_norm > 0 else 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if ds_cfg.grad_accum_dtype:
+        config["data_types"] = {"grad_accum_dtype": ds_cfg.grad_accum_dtype}
+    return config
+
+
+class DeepSpeedStrategy:
+    def __init__(self, ds_cfg, optim_cfg, train_cfg, batch_plan):
+        import deepspeed
+
+        info = dist_info()
+        self.rank, self.world_size = info.rank, info.world_size
+        self.device = resolve_device(train_cfg.device, info.local_rank)
+        self.dtype = resolve_dtype(ds_cfg.param_dtype, self.device)
+        self.ds_cfg, self.optim_cfg = ds_cfg, optim_cfg
+        self.batch_plan = batch_plan
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        self.engine = None
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def prepare(self, model: torch.nn.Module, total_steps: int) -> torch.nn.Module:
+        import deepspeed
+
+        if self.ds_cfg.adam_offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            a = self.optim_cfg.adam
+            optimizer = DeepSpeedCPUAdam(
+                [p for p in model.parameters() if p.requires_grad],
+                lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay, adamw_mode=True,
+            )
+        else:
+            optimizer = build_optimizer(model.parameters(), self.optim_cfg)
+        scheduler = build_scheduler(optimizer, self.optim_cfg, total_steps)
+        config = deepspeed_config(
+            self.ds_cfg, self.optim_cfg, self.dtype, self.batch_plan.micro_batch_size, self.batch_plan.grad_accum_steps
+        )
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
+        return self.engine
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def autocast(self):
+        return contextlib.nullcontext()  # DeepSpeed casts the model itself
+
+    def backward(self, loss: torch.Tensor, is_last_micro_batch: bool = True) -> None:
+        # The number of micro-batches per step may vary (token budgets): we own the boundary and the
+        # loss scaling (the trainer already divided by the global count), so no 1/GAS here.
+        self.engine.set_gradient_accumulation_boundary(is_last_micro_batch)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> dict[str, float]:
+        lr = self.scheduler.get_last_lr()[0]
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return {"grad_norm": norm, "lr": float(lr)}
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return all_reduce_tensor(tensor, op, self.world_size)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+
+    def full_state_dict(self):
+        """Gather parameters one at a time (ZeRO-3) so peak memory stays one tensor above a shard."""
+        import deepspeed
+
+        module = self.engine.module
+        out = {} if self.is_rank0 else None
+        if self.ds_cfg.zero_stage == 3:
+            for name, param in module.named_parameters():
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    if out is not None:
+                        out[name] = param.detach().to("cpu", torch.float32, copy=True)
+            if out is not None:
+                for name, buf in module.named_buffers():
+                    out[name] = buf.detach().to("cpu", copy=True)
+                # tied weights appear once in named_parameters; state_dict names them all
+                for name in module.state_dict().keys():
+                    if name not in out:
+                        out[name] = _tied_source(module, name, out)
+            return out
+        if out is not None:
+            out.update({k: v.detach().to("cpu", torch.float32, copy=True) for k, v in module.state_dict().items()})
+        return out
+
+    def save_state(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag="deepspeed")
+
+    def load_state(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"{directory}/deepspeed: no DeepSpeed checkpoint could be loaded")
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+
+def _tied_source(module: torch.nn.Module, name: str, gathered: dict) -> torch.Tensor:
+    """Resolve a state-dict key that aliases another parameter (tied embeddings)."""
+    target = module.get_parameter(name) if "." in name else getattr(module, name)
+    for other, param in module.named_parameters():
+        if param is target:
+            return gathered[other]
+    raise KeyError(name)

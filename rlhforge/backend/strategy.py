@@ -1,0 +1,97 @@
+"""The ``Strategy`` seam: how a model is wrapped, stepped, reduced, gathered and checkpointed.
+
+Trainers talk only to this protocol. The loss contract: a trainer scales each micro-batch's summed
+loss by ``world_size / global_count`` (global token or sample count of the whole optimizer step,
+see ``rlhforge.backend.normalise``); strategies sum gradients over micro-batches and *average* them
+over ranks, so the step's gradient is the gradient of the global mean, whatever the number of
+ranks or micro-batches.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+
+class Strategy(Protocol):
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_rank0(self) -> bool: ...
+
+    def prepare(self, model: torch.nn.Module, total_steps: int) -> torch.nn.Module:
+        """Wrap ``model`` and build its optimizer and scheduler; returns the module to call."""
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The unwrapped model (HF / peft), for saving and generation."""
+
+    def autocast(self) -> AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor, is_last_micro_batch: bool) -> None: ...
+
+    def step(self) -> dict[str, float]:
+        """Clip, optimizer step, scheduler step, zero grads; returns ``grad_norm`` and ``lr``."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
+
+    def barrier(self) -> None: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full (gathered) CPU state dict of the unwrapped model on rank 0, None elsewhere."""
+
+    def save_state(self, directory: Path) -> None:
+        """Write model weights, optimizer and scheduler state (all ranks take part)."""
+
+    def load_state(self, directory: Path) -> None: ...
+
+    def train(self) -> None: ...
+
+    def eval(self) -> None: ...
+
+
+def reduce_op(op: str):
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op == "mean":
+        return dist.ReduceOp.SUM
+    if op not in ops:
+        raise ValueError(f"unknown reduce op {op!r}; valid: sum, mean, max, min")
+    return ops[op]
+
+
+def all_reduce_tensor(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
+    """All-reduce a copy of ``tensor`` (identity on one process). ``mean`` divides the sum."""
+    import torch.distributed as dist
+
+    out = tensor.detach().clone()
+    if world_size > 1 and dist.is_initialized():
+        dist.all_reduce(out, op=reduce_op(op))
+        if op == "mean":
+            out /= world_size
+    return out
+
+
+def build_strategy(ds_cfg, optim_cfg, train_cfg, batch_plan) -> Any:
+    """Pick the strategy: ``auto`` -> plain torch for one process, DeepSpeed for several."""
+    from rlhforge.backend.device import dist_info
+
+    name = ds_cfg.strategy
+    if name == "auto":
+        name = "deepspeed" if dist_info().world_size > 1 else "torch"
+    if name == "torch":
+        from rlhforge.backend.torch_strategy import TorchStrategy
+
+        return TorchStrategy(ds_cfg, optim_cfg, train_cfg)
+    if name == "deepspeed":
+        from rlhforge.backend.deepspeed_strategy import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(ds_cfg, optim_cfg, train_cfg, batch_plan)
+    raise ValueError(f"unknown --ds.strategy {name!r}; valid: auto, torch, deepspeed")

@@ -1,0 +1,36 @@
+"""``rlhforge <command> [flags]``: one console script, one module per command."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "quickstart": ("rlhforge.cli.quickstart", "build a tiny model and train it on a built-in task (CPU, minutes)"),
+    "sft": ("rlhforge.cli.train_sft", "supervised fine-tuning (= python -m rlhforge.cli.train_sft)"),
+    "tiny-model": ("rlhforge.cli.tiny_model", "write a tiny Llama + local BPE tokenizer to a folder"),
+    "merge-lora": ("rlhforge.cli.lora_combiner", "merge a LoRA adapter into its base model"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: rlhforge <command> [--help] [flags]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"rlhforge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest, prog=f"rlhforge {name}") or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Supervised fine-tuning. ``python -m rlhforge.cli.train_sft`` (OpenRLHF's module name) or ``rlhforge sft``.
+
+Launch on several processes with ``torchrun --nproc_per_node N -m rlhforge.cli.train_sft ...`` or
+``deepspeed --module rlhforge.cli.train_sft ...``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rlhforge.config.parsing import parse_args, save_yaml, to_dict
+from rlhforge.config.sft import SFTConfig
+
+
+def load_sft_data(cfg: SFTConfig, tokenizer):
+    """Training and eval samples (eval from ``eval.dataset`` or a held-out fraction)."""
+    from rlhforge.data.loading import load_dataset_spec
+    from rlhforge.data.sft import build_sft_samples
+
+    d = cfg.data
+    kwargs = dict(
+        input_key=d.input_key, output_key=d.output_key, input_template=None if d.apply_chat_template else d.input_template,
+        apply_chat_template=d.apply_chat_template, multiturn=d.multiturn,
+        pretrain_mode=cfg.model.pretrain_mode_enable, max_len=d.max_len,
+    )
+    train = load_dataset_spec(d.dataset, d.dataset_probs, d.dataset_split, d.max_samples, seed=cfg.train.seed)
+    evals = None
+    if cfg.eval.dataset:
+        evals = load_dataset_spec(cfg.eval.dataset, None, cfg.eval.split, cfg.eval.max_samples, seed=cfg.train.seed)
+    elif cfg.eval.holdout_ratio > 0:
+        n_eval = max(1, int(len(train) * cfg.eval.holdout_ratio))
+        evals = train.select(range(len(train) - n_eval, len(train)))
+        train = train.select(range(len(train) - n_eval))
+    train_samples = build_sft_samples(train, tokenizer, **kwargs)
+    eval_samples = build_sft_samples(evals, tokenizer, **kwargs) if evals is not None else []
+    return train_samples, eval_samples
+
+
+def run(cfg: SFTConfig) -> Path:
+    """Train and export; returns the output folder. Usable from Python as well as the CLI."""
+    from rlhforge.backend.device import dist_info
+    from rlhforge.backend.strategy import build_strategy
+    from rlhforge.config.batching import plan_batches
+    from rlhforge.models.loading import load_causal_lm, load_tokenizer
+    from rlhforge.trainers.common import seed_everything
+    from rlhforge.trainers.sft import SFTTrainer
+    from rlhforge.tracking.metrics import MetricsLogger
+
+    seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
+    tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
+                               use_fast=not cfg.data.disable_fast_tokenizer)
+    train_samples, eval_samples = load_sft_data(cfg, tokenizer)
+    plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
+                        micro_batch_size=cfg.train.micro_batch_size, world_size=dist_info().world_size,
+                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps)
+    strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
+    model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
+    wrapped = strategy.prepare(model, plan.total_steps)
+    out = Path(cfg.ckpt.output_dir)
+    if strategy.is_rank0:
+        save_yaml(cfg, out / "config.yaml")
+        print(f"[rlhforge] sft: {len(train_samples)} train / {len(eval_samples)} eval samples, "
+              f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s), "
+              f"grad accumulation {plan.grad_accum_steps}, {type(strategy).__name__} on {strategy.device}")
+    logger = MetricsLogger(out, cfg.logger, enabled=strategy.is_rank0, config=to_dict(cfg))
+    try:
+        SFTTrainer(cfg, strategy, wrapped, tokenizer, train_samples, eval_samples, plan, logger).fit()
+    finally:
+        logger.close()
+    return out
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_sft") -> int:
+    from rlhforge.cli.errors import user_errors
+
+    with user_errors(prog):
+        cfg = parse_args(SFTConfig, argv, prog=prog, description=SFTConfig.__doc__)
+        run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

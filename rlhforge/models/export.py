@@ -1,0 +1,53 @@
+"""HF export: a folder ``from_pretrained`` loads (safetensors, config, tokenizer, chat template)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def save_hf(strategy, tokenizer, out_dir: str | Path, extra_files: dict[str, str] | None = None) -> None:
+    """Gather the full weights (all ranks call this) and write them on rank 0, atomically.
+
+    LoRA models are written as a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``);
+    ``rlhforge merge-lora`` merges one into its base model.
+    """
+    state_dict = strategy.full_state_dict()
+    if not strategy.is_rank0:
+        return
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model = strategy.module
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    # Move file by file so a run directory that also holds metrics/config keeps them.
+    out.mkdir(parents=True, exist_ok=True)
+    for item in tmp.iterdir():
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        item.replace(target)
+    tmp.rmdir()
+
+
+@torch.no_grad()
+def merge_lora(base_dir: str, adapter_dir: str, out_dir: str, dtype: str = "fp32") -> Path:
+    """Merge a PEFT LoRA adapter into its base model and save a plain HF folder."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch_dtype)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.save_pretrained(out_dir, safe_serialization=True)
+    src = adapter_dir if any(Path(adapter_dir).glob("tokenizer*")) else base_dir
+    AutoTokenizer.from_pretrained(src).save_pretrained(out_dir)
+    return Path(out_dir)

@@ -1,0 +1,155 @@
+"""Supervised fine-tuning: one loop, top to bottom.
+
+Loss: mean negative log-likelihood over every target token of the optimizer step, on all ranks
+together: each micro-batch contributes ``sum(nll) * world_size / global_tokens`` (strategies sum
+over micro-batches and average over ranks), so the result does not depend on the number of ranks,
+micro-batches or padding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhforge.backend.device import peak_memory_bytes
+from rlhforge.config.batching import BatchPlan
+from rlhforge.data.packing import collate_packed, collate_padded
+from rlhforge.models.export import save_hf
+from rlhforge.models.forward import token_logprobs
+from rlhforge.trainers.common import epoch_order, micro_batches, pad_micro_batch_count, step_indices
+from rlhforge.tracking.metrics import MetricsLogger
+from rlhforge.tracking.progress import Progress, progress_enabled
+
+
+@dataclass
+class SFTState:
+    global_step: int = 0
+
+    def as_dict(self) -> dict:
+        return {"global_step": self.global_step}
+
+
+class SFTTrainer:
+    def __init__(self, cfg, strategy, model, tokenizer, train_samples, eval_samples, plan: BatchPlan, logger: MetricsLogger):
+        self.cfg, self.strategy, self.tokenizer = cfg, strategy, tokenizer
+        self.model = model  # the wrapped module returned by strategy.prepare
+        self.train_samples, self.eval_samples = train_samples, eval_samples
+        self.plan, self.logger = plan, logger
+        self.state = SFTState()
+
+    # -- one micro-batch -------------------------------------------------------------------------
+    def _collate(self, samples):
+        if self.cfg.ds.packing_samples:
+            batch = collate_packed(samples)
+        else:
+            batch = collate_padded(samples, self.tokenizer.pad_token_id)
+        return {k: v.to(self.strategy.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _nll_sum(self, samples) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed NLL over target tokens of ``samples`` and their count."""
+        batch = self._collate(samples)
+        with self.strategy.autocast():
+            logps = token_logprobs(self.model, batch)
+        mask = batch["loss_mask"].to(logps.dtype)
+        return -(logps.float() * mask).sum(), mask.sum()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def fit(self) -> None:
+        cfg, strategy, plan = self.cfg, self.strategy, self.plan
+        self._maybe_resume()
+        bar = Progress(plan.total_steps, self.state.global_step,
+                       enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="sft")
+        strategy.train()
+        while self.state.global_step < plan.total_steps:
+            epoch, step_in_epoch = divmod(self.state.global_step, plan.steps_per_epoch)
+            order = epoch_order(len(self.train_samples), cfg.train.seed, epoch)
+            indices = step_indices(order, step_in_epoch, plan.batch_size, strategy.rank, strategy.world_size)
+            start = time.perf_counter()
+            metrics = self.train_step(indices)
+            self.state.global_step += 1
+            step = self.state.global_step
+            metrics.update({"train/epoch": epoch + (step_in_epoch + 1) / plan.steps_per_epoch,
+                            "timing/step": time.perf_counter() - start})
+            metrics["perf/tokens_per_s"] = metrics["train/tokens"] / metrics["timing/step"]
+            if cfg.eval.steps > 0 and step % cfg.eval.steps == 0 or step % plan.steps_per_epoch == 0:
+                metrics.update(self.evaluate())
+            if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
+                metrics["perf/peak_memory_gb"] = peak_memory_bytes(strategy.device) / 2**30
+                self.logger.log(step, metrics)
+            bar.update(1, loss=metrics["train/loss"], lr=metrics["train/lr"],
+                       tok_s=round(metrics["perf/tokens_per_s"]))
+            if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
+                self.save_checkpoint()
+        bar.close()
+        if not cfg.ckpt.disable_ds and cfg.ckpt.save_steps > 0:
+            self.save_checkpoint()
+        save_hf(strategy, self.tokenizer, cfg.ckpt.output_dir)
+
+    def train_step(self, indices: list[int]) -> dict[str, float]:
+        strategy, cfg = self.strategy, self.cfg
+        samples = self.train_samples
+        local_tokens = sum(sum(samples[i].loss_mask) for i in indices)
+        global_tokens = strategy.all_reduce(torch.tensor(float(local_tokens)), op="sum").item()
+        if global_tokens == 0:
+            raise RuntimeError(f"optimizer step {self.state.global_step + 1} has no target tokens on any rank")
+        groups = micro_batches(indices, lambda i: len(samples[i].input_ids),
+                               micro_batch_size=cfg.train.micro_batch_size,
+                               max_tokens=cfg.train.max_tokens_per_device)
+        groups = pad_micro_batch_count(strategy, groups)
+        nll_total = torch.zeros(())
+        for k, group in enumerate(groups):
+            is_dummy = group is None
+            nll, _ = self._nll_sum([samples[indices[0]]] if is_dummy else [samples[i] for i in group])
+            loss = nll * (0.0 if is_dummy else strategy.world_size / global_tokens)
+            strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
+            if not is_dummy:
+                nll_total += nll.detach().cpu()
+        stats = strategy.step()
+        global_nll = strategy.all_reduce(nll_total, op="sum").item()
+        return {"train/loss": global_nll / global_tokens, "train/lr": stats["lr"],
+                "train/grad_norm": stats["grad_norm"], "train/tokens": global_tokens}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_samples:
+            return {}
+        strategy = self.strategy
+        strategy.eval()
+        shard = list(range(strategy.rank, len(self.eval_samples), strategy.world_size))
+        nll, count = torch.zeros(()), torch.zeros(())
+        mb = self.cfg.train.micro_batch_size
+        batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
+        for group in pad_micro_batch_count(strategy, batches):
+            if group is None:  # keep collectives aligned across ranks (ZeRO-3)
+                self._nll_sum([self.eval_samples[0]])
+                continue
+            s, c = self._nll_sum([self.eval_samples[i] for i in group])
+            nll += s.cpu()
+            count += c.cpu()
+        strategy.train()
+        nll = strategy.all_reduce(nll, op="sum").item()
+        count = strategy.all_reduce(count, op="sum").item()
+        return {"eval/loss": nll / max(count, 1.0), "eval/tokens": count}
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        cfg = self.cfg
+        export = (lambda d: save_hf(self.strategy, self.tokenizer, d)) if cfg.ckpt.save_hf else None
+        return save_checkpoint(self.strategy, cfg.ckpt.path, self.state.global_step, self.state.as_dict(),
+                               max_num=cfg.ckpt.max_num, export_hf=export)
+
+    def _maybe_resume(self) -> None:
+        if not self.cfg.ckpt.load_enable:
+            return
+        path = latest_checkpoint(self.cfg.ckpt.path)
+        if path is None:
+            return
+        state = load_checkpoint(self.strategy, path)
+        self.state = SFTState(global_step=int(state["global_step"]))
+        self.logger.truncate_after(self.state.global_step)
+        if self.strategy.is_rank0:
+            print(f"[rlhforge] resumed from {path} at step {self.state.global_step}")

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install rlhforge into it. Torch comes first: with a GPU the
+# default (CUDA) build; without one the CPU build (set TORCH_INDEX_URL to pick another index,
+# e.g. https://download.pytorch.org/whl/cpu). A torch already in the venv is kept as it is.
+# Usage: scripts/setup_env.sh [extras]   (default extras: none; tests use "dev")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-}"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    "${PIP[@]}" install torch --index-url "$TORCH_INDEX_URL"
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "${PIP[@]}" install torch
+  else
+    "${PIP[@]}" install torch==2.13.0   # CPU build where one is provided locally; else PyPI's wheel
+  fi
+fi
+if [ -n "$EXTRAS" ]; then
+  "${PIP[@]}" install -e ".[${EXTRAS}]"
+else
+  "${PIP[@]}" install -e .
+fi
+# torchvision/torchaudio/torchcodec builds that do not match torch break peft/transformers imports.
+for pkg in torchvision torchaudio torchcodec; do
+  if .venv/bin/python -m pip show "$pkg" >/dev/null 2>&1 && ! .venv/bin/python -c "import $pkg" >/dev/null 2>&1; then
+    "${PIP[@]}" uninstall -y "$pkg"
+  fi
+done
