@@ -5,7 +5,7 @@ Private: import the public functions from the family modules instead.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, TypeVar
+from typing import Mapping, TypeVar
 
 import torch
 from torch import Tensor
@@ -74,5 +74,3 @@ def check_same_shape(**tensors: Tensor) -> None:
                 f"shape mismatch: {first_name} is {tuple(first.shape)} but {name} is {tuple(t.shape)}"
             )
 
-
-Fn = Callable[..., object]

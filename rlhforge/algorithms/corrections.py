@@ -159,18 +159,24 @@ def is_correction(
 def tis(log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, *, low: float = 0.5, high: float = 5.0):
     """Truncated IS (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL
     training"): weight ``clamp(w_t, low, high)``; nothing dropped."""
-    return is_correction(log_probs, rollout_log_probs, mask, level="token", mode="clip", gating="ratio", low=low, high=high)
+    return is_correction(
+        log_probs, rollout_log_probs, mask, level="token", mode="clip", gating="ratio", low=low, high=high
+    )
 
 
 def icepop(log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, *, low: float = 0.5, high: float = 5.0):
     """IcePop (Ling team, 2025): tokens with ``w_t`` outside ``[low, high]`` are dropped; others keep ``w_t``."""
-    return is_correction(log_probs, rollout_log_probs, mask, level="token", mode="mask", gating="ratio", low=low, high=high)
+    return is_correction(
+        log_probs, rollout_log_probs, mask, level="token", mode="mask", gating="ratio", low=low, high=high
+    )
 
 
 def seq_mask_tis(log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, *, low: float = 0.5, high: float = 5.0):
     """Sequences whose geometric-mean ratio ``exp(mean_t log w_t)`` is outside ``[low, high]`` are
     dropped; tokens of kept sequences keep their own unclamped ``w_t``."""
-    return is_correction(log_probs, rollout_log_probs, mask, level="seq", mode="mask", gating="ratio", low=low, high=high)
+    return is_correction(
+        log_probs, rollout_log_probs, mask, level="seq", mode="mask", gating="ratio", low=low, high=high
+    )
 
 
 def flash_reinforce_trust_region(log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, *, high: float = 3e-3):

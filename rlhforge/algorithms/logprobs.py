@@ -12,7 +12,7 @@ chunk's softmax in the backward pass, so the backward is chunked too. Its gradie
 the size of the logits, in their dtype) is the only full-size allocation. Double backward is
 not supported on the chunked path; pass ``chunk_size=None`` for the plain (direct) computation.
 
-Outputs are always fp32.
+Outputs are fp32 (fp64 for fp64 logits).
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ def _check(logits: Tensor, temperature: float, chunk_size: int | None) -> None:
         raise ValueError(f"chunk_size must be a positive int or None (got {chunk_size})")
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """fp32 for half/bf16/fp32 logits; fp64 stays fp64."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _chunks(n: int, size: int):
     for start in range(0, n, size):
         yield start, min(start + size, n)
@@ -47,10 +52,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, temperature: float, chunk_size: int) -> Tensor:
         n = logits.shape[0]
-        out = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        dt = _compute_dtype(logits)
+        out = torch.empty(n, dtype=dt, device=logits.device)
+        lse = torch.empty(n, dtype=dt, device=logits.device)
         for s, e in _chunks(n, chunk_size):
-            z = logits[s:e].float() / temperature
+            z = logits[s:e].to(dt) / temperature
             lse[s:e] = torch.logsumexp(z, dim=-1)
             out[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse[s:e]
         ctx.save_for_backward(logits, labels, lse)
@@ -64,11 +70,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         grad = torch.empty_like(logits)
-        grad_out = grad_out.float()
+        dt = lse.dtype
+        grad_out = grad_out.to(dt)
         for s, e in _chunks(logits.shape[0], chunk_size):
             go = grad_out[s:e, None]
             # d logp[label] / d z_k = 1[k = label] - softmax_k ; then d z / d logits = 1 / T
-            g = (logits[s:e].float() / temperature).sub_(lse[s:e, None]).exp_().mul_(-go)
+            g = (logits[s:e].to(dt) / temperature).sub_(lse[s:e, None]).exp_().mul_(-go)
             g.scatter_add_(-1, labels[s:e, None], go)
             grad[s:e] = g.div_(temperature).to(grad.dtype)
         return grad, None, None, None
@@ -89,9 +96,10 @@ class _ChunkedEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, temperature: float, chunk_size: int) -> Tensor:
         n = logits.shape[0]
-        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        dt = _compute_dtype(logits)
+        out = torch.empty(n, dtype=dt, device=logits.device)
         for s, e in _chunks(n, chunk_size):
-            out[s:e] = _entropy_terms(logits[s:e].float() / temperature)[2]
+            out[s:e] = _entropy_terms(logits[s:e].to(dt) / temperature)[2]
         ctx.save_for_backward(logits, out)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -103,9 +111,9 @@ class _ChunkedEntropy(torch.autograd.Function):
         logits, entropy = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         grad = torch.empty_like(logits)
-        grad_out = grad_out.float()
+        grad_out = grad_out.to(entropy.dtype)
         for s, e in _chunks(logits.shape[0], chunk_size):
-            p, logp, _ = _entropy_terms(logits[s:e].float() / temperature)
+            p, logp, _ = _entropy_terms(logits[s:e].to(entropy.dtype) / temperature)
             # dH/dz_k = -p_k (log p_k + H); zero where p_k = 0 (including -inf logits)
             d = torch.where(p > 0, -p * (logp + entropy[s:e, None]), torch.zeros_like(p))
             grad[s:e] = (d * grad_out[s:e, None] / temperature).to(grad.dtype)
@@ -129,7 +137,7 @@ def logprobs_from_logits(
             one full ``log_softmax`` (reference path, supports double backward).
 
     Returns:
-        [B, T] fp32 log-probs, differentiable w.r.t. ``logits``.
+        [B, T] fp32 (fp64 for fp64 logits) log-probs, differentiable w.r.t. ``logits``.
     """
     _check(logits, temperature, chunk_size)
     if labels.shape != logits.shape[:-1]:
@@ -139,10 +147,10 @@ def logprobs_from_logits(
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     flat, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1).long()
     if chunk_size is None:
-        logp = torch.log_softmax(flat.float() / temperature, dim=-1)
+        logp = torch.log_softmax(flat.to(_compute_dtype(flat)) / temperature, dim=-1)
         out = logp.gather(-1, flat_labels[:, None]).squeeze(-1)
     elif flat.shape[0] == 0:
-        out = flat.float().sum(-1)  # empty, keeps autograd connectivity
+        out = flat.to(_compute_dtype(flat)).sum(-1)  # empty, keeps autograd connectivity
     else:
         out = _ChunkedLogProbs.apply(flat, flat_labels, float(temperature), int(chunk_size))
     return out.reshape(lead)
@@ -161,15 +169,15 @@ def entropy_from_logits(
         chunk_size: rows per chunk; ``None`` for the direct computation.
 
     Returns:
-        [B, T] fp32 entropies in nats, differentiable w.r.t. ``logits``.
+        [B, T] fp32 (fp64 for fp64 logits) entropies in nats, differentiable w.r.t. ``logits``.
     """
     _check(logits, temperature, chunk_size)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     flat = logits.reshape(-1, vocab)
     if chunk_size is None:
-        out = _entropy_terms(flat.float() / temperature)[2]
+        out = _entropy_terms(flat.to(_compute_dtype(flat)) / temperature)[2]
     elif flat.shape[0] == 0:
-        out = flat.float().sum(-1)
+        out = flat.to(_compute_dtype(flat)).sum(-1)
     else:
         out = _ChunkedEntropy.apply(flat, float(temperature), int(chunk_size))
     return out.reshape(lead)
