@@ -131,7 +131,44 @@ BUILTIN_TASKS: dict[str, _Task] = {
 
 
 def _unknown(name: str) -> DataError:
-    return DataError(f"unknown built-in dataset {name!r}; available: {', '.join(sorted(BUILTIN_TASKS))}")
+    names = sorted([*BUILTIN_TASKS, *_extra_generators()])
+    return DataError(f"unknown built-in dataset {name!r}; available: {', '.join(names)}")
+
+
+# Generators that other modules register (records of another shape, e.g. preference pairs in
+# rlhforge.data.builtin_preference). They share the spec syntax: ``builtin:NAME?n=..&seed=..@split``.
+
+
+@dataclass(frozen=True)
+class ExtraGenerator:
+    """``generate(split=, n=, seed=, **params) -> list[dict]`` and its integer parameters' defaults."""
+
+    generate: Callable[..., list[dict]]
+    defaults: dict
+
+
+_EXTRA_GENERATORS: dict[str, ExtraGenerator] = {}
+#: modules imported on first lookup; each calls :func:`register_builtin` for its generators
+_PLUGIN_MODULES = ("rlhforge.data.builtin_preference",)
+_plugins_loaded = False
+
+
+def register_builtin(name: str, generate: Callable[..., list[dict]], defaults: dict | None = None) -> None:
+    """Make ``builtin:NAME`` produce ``generate(split=..., n=..., seed=..., **params)``."""
+    if name in BUILTIN_TASKS:
+        raise ValueError(f"built-in dataset {name!r} already exists")
+    _EXTRA_GENERATORS[name] = ExtraGenerator(generate, dict(defaults or {}))
+
+
+def _extra_generators() -> dict[str, ExtraGenerator]:
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        import importlib
+
+        for module in _PLUGIN_MODULES:
+            importlib.import_module(module)
+    return _EXTRA_GENERATORS
 
 
 @dataclass(frozen=True)
@@ -153,7 +190,7 @@ def parse_builtin_spec(spec: str) -> BuiltinSpec:
     if not m:
         raise DataError(f"cannot parse built-in dataset spec {spec!r}; expected builtin:NAME[?n=1000&seed=0][@split]")
     name, rest = m.group("name"), m.group("rest")
-    if name not in BUILTIN_TASKS:
+    if name not in BUILTIN_TASKS and name not in _extra_generators():
         raise _unknown(name)
     split = None
     query = ""
@@ -165,10 +202,13 @@ def parse_builtin_spec(spec: str) -> BuiltinSpec:
     if re.sub(r"[?@][^?@]*", "", rest):
         raise DataError(f"cannot parse built-in dataset spec {spec!r}; expected builtin:NAME[?n=1000&seed=0][@split]")
     params = {}
-    allowed = {"n", "seed", *BUILTIN_TASKS[name].defaults}
+    defaults = BUILTIN_TASKS[name].defaults if name in BUILTIN_TASKS else _extra_generators()[name].defaults
+    allowed = {"n", "seed", *defaults}
     for key, value in parse_qsl(query, keep_blank_values=True):
         if key not in allowed:
-            raise DataError(f"{spec}: unknown parameter {key!r} for builtin:{name}; allowed: {', '.join(sorted(allowed))}")
+            raise DataError(
+                f"{spec}: unknown parameter {key!r} for builtin:{name}; allowed: {', '.join(sorted(allowed))}"
+            )
         try:
             params[key] = int(value)
         except ValueError:
@@ -183,12 +223,21 @@ def _in_test_pool(problem: tuple) -> bool:
 def generate_builtin(name: str, split: str = "train", n: int | None = None, seed: int = 0, **params) -> list[dict]:
     """Records of built-in task ``name`` for ``split`` (``train`` or ``test``); deterministic."""
     if name not in BUILTIN_TASKS:
-        raise _unknown(name)
+        extra = _extra_generators().get(name)
+        if extra is None:
+            raise _unknown(name)
+        unknown = set(params) - set(extra.defaults)
+        if unknown:
+            raise DataError(
+                f"builtin:{name}: unknown parameter(s) {sorted(unknown)}; allowed: n, seed, {', '.join(sorted(extra.defaults))}"
+            )
+        return extra.generate(split=split, n=DEFAULT_N if n is None else n, seed=seed, **{**extra.defaults, **params})
     task = BUILTIN_TASKS[name]
     unknown = set(params) - set(task.defaults)
     if unknown:
         raise DataError(
-            f"builtin:{name}: unknown parameter(s) {sorted(unknown)}; allowed: n, seed, {', '.join(sorted(task.defaults))}"
+            f"builtin:{name}: unknown parameter(s) {sorted(unknown)}; "
+            f"allowed: n, seed, {', '.join(sorted(task.defaults))}"
         )
     p = {**task.defaults, **params}
     n = DEFAULT_N if n is None else n
@@ -199,7 +248,9 @@ def generate_builtin(name: str, split: str = "train", n: int | None = None, seed
     elif split in TEST_SPLITS:
         want_test, offset = True, 1_000_003
     else:
-        raise DataError(f"builtin:{name}: unknown split {split!r}; use 'train' or 'test' (aliases: eval, validation, val)")
+        raise DataError(
+            f"builtin:{name}: unknown split {split!r}; use 'train' or 'test' (aliases: eval, validation, val)"
+        )
     try:
         pool = [q for q in task.pool(p) if _in_test_pool(q) == want_test]
     except (ValueError, TypeError) as err:

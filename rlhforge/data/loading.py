@@ -1,0 +1,448 @@
+"""Load datasets from a comma-separated spec and mix them.
+
+``load_dataset_spec("a.jsonl,b.parquet", probs="0.7,0.3")`` returns one ``datasets.Dataset``.
+
+Entries of ``spec`` (comma-separated; entries themselves cannot contain commas):
+
+- a local file: ``.jsonl``, ``.json`` (a list of records, or JSON lines), ``.csv``, ``.parquet``,
+  ``.arrow`` (Arrow IPC stream or file);
+- a folder written by ``datasets.save_to_disk`` (``load_from_disk``; a ``DatasetDict`` gives the
+  requested split);
+- a folder of data files of the formats above (searched recursively; if some file names carry
+  the split name - ``train.jsonl``, ``test-0001.parquet``, ``train/part.csv`` - only that split's
+  files are read, otherwise all of them);
+- ``builtin:NAME`` (see :mod:`rlhforge.data.builtin`);
+- anything else is taken as a Hugging Face Hub id (``datasets.load_dataset(id, split=...)``; needs
+  network access).
+
+Any entry may end in ``@split`` (``path@test``, ``builtin:arithmetic@test``); without it the
+``split`` argument applies. A single data file has only one split: ``@train`` is accepted,
+another explicit split is an error. If the whole entry (with its ``@``) exists as a path, it is
+taken as that path.
+
+Provenance: every record gets two extra columns, ``_source`` (the file path as written in the
+spec, ``path/inside/folder.jsonl`` for folders of files, ``builtin:NAME@split``, or the hub id
+with its split) and ``_index`` (0-based record index within that source). They survive mixing and
+truncation, so later stages can say "data/train.jsonl, record 17, field 'output'"
+(:class:`rlhforge.data.errors.DataError`). Existing columns with these names are replaced.
+
+Mixing: without ``probs`` the datasets are concatenated in spec order. With ``probs`` they are
+interleaved by ``datasets.interleave_datasets(..., probabilities, seed,
+stopping_strategy="all_exhausted")``: each record is drawn from dataset *i* with probability
+``p_i`` (a seeded ``numpy`` generator, so the same seed gives the same order) until every dataset
+has been used up at least once; smaller datasets are cycled (oversampled) meanwhile. Datasets
+with probability 0 are left out. The order is otherwise kept: the trainer shuffles.
+``max_samples`` then keeps the first ``max_samples`` records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlhforge.data.errors import DataError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import datasets
+
+__all__ = ["load_dataset_spec", "parse_probs", "SUPPORTED_EXTENSIONS", "SOURCE_COLUMN", "INDEX_COLUMN"]
+
+logger = logging.getLogger(__name__)
+
+SOURCE_COLUMN = "_source"
+INDEX_COLUMN = "_index"
+
+#: file extension -> ``datasets`` builder name
+SUPPORTED_EXTENSIONS: dict[str, str] = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+
+#: extensions that mark an entry as a (missing or unsupported) local file rather than a hub id
+_OTHER_FILE_EXTENSIONS = {
+    ".txt", ".tsv", ".xlsx", ".xls", ".gz", ".zip", ".bz2", ".xz", ".zst", ".pkl", ".pt", ".npy", ".yaml", ".yml",
+}
+_SAVE_TO_DISK_MARKERS = ("dataset_dict.json", "state.json")
+_PROB_TOLERANCE = 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# public entry point
+
+
+def load_dataset_spec(
+    spec: str,
+    probs: str | None = None,
+    split: str = "train",
+    max_samples: int | None = None,
+    seed: int = 42,
+) -> "datasets.Dataset":
+    """Load and mix the datasets named in ``spec`` (see the module docstring).
+
+    Args:
+        spec: comma-separated entries (files, folders, ``builtin:NAME``, hub ids), each with an
+            optional ``@split``.
+        probs: comma-separated mixing probabilities, one per entry, each >= 0, summing to 1
+            (within 1e-6). ``None`` concatenates.
+        split: split for entries without ``@split`` (``datasets`` folders, folders of files,
+            built-ins, hub ids).
+        max_samples: keep at most this many records after mixing (``None``: all).
+        seed: seed of the mixture sampler.
+
+    Returns:
+        A ``datasets.Dataset`` with the union of the entries' columns plus ``_source`` and
+        ``_index``.
+
+    Raises:
+        DataError: missing or empty file, malformed JSON line (file and line number), unknown
+            extension, unknown split, column types that differ between entries, bad ``probs``.
+    """
+    entries = [e.strip() for e in (spec or "").split(",")]
+    if not spec or not any(entries):
+        raise DataError("no dataset given (empty dataset spec)")
+    if any(not e for e in entries):
+        raise DataError(f"dataset spec {spec!r} has an empty entry (check for stray commas)")
+    if max_samples is not None and max_samples < 1:
+        raise DataError(f"max_samples must be >= 1 (got {max_samples})")
+
+    probabilities = parse_probs(probs, entries) if probs is not None else None
+    loaded = [_load_entry(entry, split) for entry in entries]
+    names = [name for name, _ in loaded]
+    parts = [ds for _, ds in loaded]
+
+    if probabilities is not None and len(parts) > 1:
+        keep = [i for i, p in enumerate(probabilities) if p > 0]
+        _check_features_align([parts[i] for i in keep], [names[i] for i in keep])
+        import datasets
+
+        if len(keep) == 1:
+            dataset = parts[keep[0]]
+        else:
+            dataset = datasets.interleave_datasets(
+                [parts[i] for i in keep],
+                probabilities=[probabilities[i] for i in keep],
+                seed=seed,
+                stopping_strategy="all_exhausted",
+            )
+    elif len(parts) > 1:
+        _check_features_align(parts, names)
+        import datasets
+
+        dataset = datasets.concatenate_datasets(parts)
+    else:
+        dataset = parts[0]
+
+    if max_samples is not None and len(dataset) > max_samples:
+        dataset = dataset.select(range(max_samples))
+    return dataset
+
+
+def parse_probs(probs: str, entries: list[str]) -> list[float]:
+    """Parse ``"0.7,0.3"``; check count, sign and sum (error messages show the numbers)."""
+    raw = [p.strip() for p in str(probs).split(",")]
+    try:
+        values = [float(p) for p in raw]
+    except ValueError:
+        raise DataError(f"dataset_probs {probs!r}: every entry must be a number") from None
+    if len(values) != len(entries):
+        raise DataError(
+            f"dataset_probs has {len(values)} value(s) ({probs}) but the dataset spec has {len(entries)} "
+            f"entr{'y' if len(entries) == 1 else 'ies'} ({', '.join(entries)})"
+        )
+    negative = [f"{e}={v}" for e, v in zip(entries, values) if not v >= 0]
+    if negative:
+        raise DataError(f"dataset_probs must be >= 0; got {', '.join(negative)}")
+    total = sum(values)
+    if abs(total - 1.0) > _PROB_TOLERANCE:
+        raise DataError(
+            f"dataset_probs must sum to 1: {' + '.join(raw)} = {total:.6g} "
+            f"(off by {total - 1.0:+.3g}; tolerance {_PROB_TOLERANCE:g})"
+        )
+    return values
+
+
+# --------------------------------------------------------------------------------------------
+# one entry
+
+
+def _split_entry(entry: str) -> tuple[str, str | None]:
+    """``path@split`` -> (path, split); an existing path containing ``@`` is kept whole."""
+    if entry.startswith("builtin:") or os.path.exists(os.path.expanduser(entry)) or "@" not in entry:
+        return entry, None
+    path, _, split = entry.rpartition("@")
+    if not path or not split:
+        raise DataError(f"cannot parse dataset entry {entry!r}; expected PATH or PATH@SPLIT")
+    return path, split
+
+
+def _load_entry(entry: str, default_split: str) -> tuple[str, "datasets.Dataset"]:
+    if entry.startswith("builtin:"):
+        return _load_builtin(entry, default_split)
+    path_str, explicit_split = _split_entry(entry)
+    split = explicit_split or default_split
+    path = Path(os.path.expanduser(path_str))
+    if path.is_file():
+        if explicit_split not in (None, "train"):
+            raise DataError(
+                f"{path_str} is a single file, which has one split; '@{explicit_split}' only applies to "
+                "datasets folders, folders of data files, built-in datasets and hub ids"
+            )
+        return path_str, _with_provenance(_load_file(path, path_str), path_str)
+    if path.is_dir():
+        return _load_folder(path, path_str, split, explicit_split is not None)
+    if _looks_local(path_str):
+        ext = _extension(path_str)
+        hint = "" if not ext or ext in SUPPORTED_EXTENSIONS else f" (and {_unsupported(ext)})"
+        raise DataError(f"dataset file or folder not found: {path_str}{hint}", source=None)
+    return _load_hub(path_str, split)
+
+
+def _extension(path: str) -> str:
+    return Path(path).suffix.lower()
+
+
+def _unsupported(ext: str) -> str:
+    return f"extension {ext!r} is not supported; supported: {', '.join(SUPPORTED_EXTENSIONS)}"
+
+
+def _looks_local(path: str) -> bool:
+    """A spec entry that is clearly meant as a local path rather than a hub id."""
+    return (
+        path.startswith(("/", "./", "../", "~", ".\\"))
+        or "\\" in path
+        or _extension(path) in SUPPORTED_EXTENSIONS
+        or _extension(path) in _OTHER_FILE_EXTENSIONS
+        or path.count("/") > 1
+    )
+
+
+def _with_provenance(ds: "datasets.Dataset", source: str) -> "datasets.Dataset":
+    drop = [c for c in (SOURCE_COLUMN, INDEX_COLUMN) if c in ds.column_names]
+    if drop:
+        ds = ds.remove_columns(drop)
+    import numpy as np
+
+    n = len(ds)
+    ds = ds.add_column(SOURCE_COLUMN, [source] * n)
+    return ds.add_column(INDEX_COLUMN, np.arange(n, dtype=np.int64))
+
+
+# --------------------------------------------------------------------------------------------
+# files
+
+
+def _load_file(path: Path, name: str) -> "datasets.Dataset":
+    """Read one local data file (no provenance columns yet)."""
+    ext = _extension(str(path))
+    if ext not in SUPPORTED_EXTENSIONS:
+        raise DataError(_unsupported(ext), source=name)
+    if path.stat().st_size == 0 or (ext in (".jsonl", ".json", ".csv") and not _has_text(path)):
+        raise DataError("file is empty", source=name)
+    import datasets
+
+    builder = SUPPORTED_EXTENSIONS[ext]
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        if builder == "json":
+            _diagnose_json(path, name)  # raises a precise DataError when it finds the problem
+        raise DataError(f"could not read {builder} file: {_short(err)}", source=name) from err
+    if len(ds) == 0:
+        raise DataError("file has no records", source=name)
+    return ds
+
+
+def _has_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return True
+    return False
+
+
+def _short(err: BaseException) -> str:
+    # datasets wraps the real cause; show the innermost message
+    while err.__cause__ is not None or err.__context__ is not None:
+        nxt = err.__cause__ or err.__context__
+        if nxt is None or nxt is err:
+            break
+        err = nxt
+    text = f"{type(err).__name__}: {err}".strip()
+    return text if len(text) < 500 else text[:497] + "..."
+
+
+_JSON_KIND = {str: "string", int: "number", float: "number", bool: "boolean", list: "list", dict: "object"}
+
+
+def _diagnose_json(path: Path, name: str) -> None:
+    """Find why a JSON/JSONL file failed to load; raise a DataError naming the line, else return."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    stripped = text.lstrip()
+    if path.suffix.lower() == ".json" and stripped.startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"malformed JSON: {err.msg} (column {err.colno})", source=name, line=err.lineno) from None
+        lines = [(None, r) for r in records]
+    else:
+        lines = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                lines.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise DataError(
+                    f"malformed JSON line: {err.msg} (column {err.colno})", source=name, line=lineno
+                ) from None
+    first_kind: dict[str, tuple[str, int | None, int]] = {}
+    for index, (lineno, record) in enumerate(lines):
+        if not isinstance(record, dict):
+            raise DataError(
+                f"expected a JSON object per record, got {_JSON_KIND.get(type(record), type(record).__name__)}",
+                source=name, line=lineno, index=None if lineno else index,
+            )
+        for key, value in record.items():
+            if value is None:
+                continue
+            kind = _JSON_KIND.get(type(value), type(value).__name__)
+            seen = first_kind.setdefault(key, (kind, lineno, index))
+            if seen[0] != kind:
+                where = f"line {seen[1]}" if seen[1] else f"record {seen[2]}"
+                raise DataError(
+                    f"is a {kind} here but a {seen[0]} on {where}; a column must have one type",
+                    source=name, line=lineno, index=None if lineno else index, field=key,
+                )
+
+
+# --------------------------------------------------------------------------------------------
+# folders
+
+
+def _load_folder(path: Path, name: str, split: str, explicit: bool) -> tuple[str, "datasets.Dataset"]:
+    import datasets
+
+    if any((path / marker).exists() for marker in _SAVE_TO_DISK_MARKERS):
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except Exception as err:  # noqa: BLE001
+            raise DataError(f"could not load datasets folder: {_short(err)}", source=name) from err
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DataError(f"no split {split!r}; available splits: {', '.join(loaded)}", source=name)
+            ds, source = loaded[split], f"{name}@{split}"
+        else:
+            if explicit and split != "train":
+                raise DataError(f"folder holds a single Dataset (no splits); cannot select '@{split}'", source=name)
+            ds, source = loaded, name
+        if len(ds) == 0:
+            raise DataError("dataset is empty", source=source)
+        return source, _with_provenance(ds, source)
+
+    files = sorted(p for p in path.rglob("*") if p.is_file() and _extension(str(p)) in SUPPORTED_EXTENSIONS)
+    files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    if not files:
+        raise DataError(
+            f"folder has no data files (looked for {', '.join(SUPPORTED_EXTENSIONS)}) and is not a "
+            "datasets.save_to_disk folder",
+            source=name,
+        )
+    chosen = [p for p in files if _file_in_split(p.relative_to(path), split)]
+    if not chosen:
+        if explicit:
+            listing = ", ".join(str(p.relative_to(path)) for p in files[:10])
+            raise DataError(f"no data files for split {split!r} (files: {listing})", source=name)
+        chosen = files
+    exts = {_extension(str(p)) for p in chosen}
+    if len({SUPPORTED_EXTENSIONS[e] for e in exts}) > 1:
+        raise DataError(
+            f"folder mixes data formats ({', '.join(sorted(exts))}); use one format per folder", source=name
+        )
+    parts, sources = [], []
+    for p in chosen:
+        source = str(Path(name) / p.relative_to(path))
+        parts.append(_with_provenance(_load_file(p, source), source))
+        sources.append(source)
+    if len(parts) == 1:
+        return name, parts[0]
+    _check_features_align(parts, sources)
+    return name, datasets.concatenate_datasets(parts)
+
+
+def _file_in_split(rel: Path, split: str) -> bool:
+    """``train.jsonl``, ``train-00001.parquet``, ``data_train.csv``, ``train/x.jsonl`` belong to 'train'."""
+    if split in rel.parts[:-1]:
+        return True
+    stem = rel.name.split(".")[0]
+    tokens = stem.replace("_", "-").split("-")
+    return split in tokens
+
+
+# --------------------------------------------------------------------------------------------
+# built-ins and hub
+
+
+def _load_builtin(entry: str, default_split: str) -> tuple[str, "datasets.Dataset"]:
+    import datasets
+
+    from rlhforge.data.builtin import generate_builtin, parse_builtin_spec
+
+    spec = parse_builtin_spec(entry)
+    split = spec.split or default_split
+    params = dict(spec.params)
+    n, seed = params.pop("n", None), params.pop("seed", 0)
+    records = generate_builtin(spec.name, split=split, n=n, seed=seed, **params)
+    query = "&".join(f"{k}={v}" for k, v in sorted(spec.params.items()))
+    source = f"builtin:{spec.name}{'?' + query if query else ''}@{split}"
+    return source, _with_provenance(datasets.Dataset.from_list(records), source)
+
+
+def _load_hub(name: str, split: str) -> tuple[str, "datasets.Dataset"]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as err:  # noqa: BLE001
+        raise DataError(
+            f"{name!r} is not a local file or folder, and loading it as a Hugging Face Hub dataset "
+            f"(split {split!r}) failed: {_short(err)}"
+        ) from err
+    source = f"{name}@{split}"
+    if len(ds) == 0:
+        raise DataError("dataset is empty", source=source)
+    return source, _with_provenance(ds, source)
+
+
+# --------------------------------------------------------------------------------------------
+# mixing
+
+
+def _check_features_align(parts: list["datasets.Dataset"], names: list[str]) -> None:
+    """Columns shared by several datasets must have one type (missing columns become None)."""
+    seen: dict[str, tuple[object, str]] = {}
+    for ds, name in zip(parts, names):
+        for column, feature in ds.features.items():
+            if _is_null_feature(feature):
+                continue
+            if column not in seen:
+                seen[column] = (feature, name)
+            elif seen[column][0] != feature:
+                raise DataError(
+                    f"column {column!r} has type {_feature_str(feature)} in {name} but "
+                    f"{_feature_str(seen[column][0])} in {seen[column][1]}; make the types agree before mixing"
+                )
+
+
+def _is_null_feature(feature) -> bool:
+    return getattr(feature, "dtype", None) == "null"
+
+
+def _feature_str(feature) -> str:
+    dtype = getattr(feature, "dtype", None)
+    return dtype if isinstance(dtype, str) else repr(feature)

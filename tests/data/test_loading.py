@@ -1,0 +1,175 @@
+"""load_dataset_spec: every format gives the same records; mixtures; errors that say where."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from rlhforge.data.errors import DataError
+from rlhforge.data.loading import load_dataset_spec
+
+RECORDS = [
+    {"input": "What is 1 + 1?", "output": "2", "score": 1},
+    {"input": "Name a colour.", "output": "blue", "score": 0},
+    {"input": "Say hi", "output": "hi", "score": 3},
+]
+
+
+def _user(ds):
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in ds]
+
+
+def _write_all_formats(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list(RECORDS)
+    paths = {}
+    paths["jsonl"] = tmp_path / "d.jsonl"
+    paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    paths["json"] = tmp_path / "d.json"
+    paths["json"].write_text(json.dumps(RECORDS, indent=1))
+    paths["csv"] = tmp_path / "d.csv"
+    ds.to_csv(str(paths["csv"]), index=False)
+    paths["parquet"] = tmp_path / "d.parquet"
+    ds.to_parquet(str(paths["parquet"]))
+    paths["arrow"] = tmp_path / "d.arrow"
+    import pyarrow as pa
+
+    with pa.OSFile(str(paths["arrow"]), "wb") as f, pa.ipc.new_file(f, ds.data.table.schema) as w:
+        w.write_table(ds.data.table)
+    paths["save_to_disk"] = tmp_path / "saved"
+    ds.save_to_disk(str(paths["save_to_disk"]))
+    paths["dict_to_disk"] = tmp_path / "saved_dict"
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(paths["dict_to_disk"]))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "part-a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:2]))
+    (folder / "part-b.jsonl").write_text(json.dumps(RECORDS[2]) + "\n")
+    paths["folder"] = folder
+    return paths
+
+
+def test_every_format_gives_the_same_records(tmp_path):
+    paths = _write_all_formats(tmp_path)
+    for kind, path in paths.items():
+        ds = load_dataset_spec(str(path))
+        assert _user(ds) == RECORDS, kind
+        assert ds["_index"] == ([0, 1, 0] if kind == "folder" else [0, 1, 2]), kind
+    assert set(load_dataset_spec(str(paths["jsonl"]))["_source"]) == {str(paths["jsonl"])}
+    folder_sources = load_dataset_spec(str(paths["folder"]))["_source"]
+    assert folder_sources[0].endswith("part-a.jsonl") and folder_sources[2].endswith("part-b.jsonl")
+    # DatasetDict split selection, by argument and by @suffix
+    assert len(load_dataset_spec(str(paths["dict_to_disk"]), split="test")) == 1
+    test = load_dataset_spec(f"{paths['dict_to_disk']}@test")
+    assert len(test) == 1 and test[0]["_source"] == f"{paths['dict_to_disk']}@test"
+
+
+def test_folder_of_split_files(tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps({"x": "a"}) + "\n" + json.dumps({"x": "b"}) + "\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps({"x": "c"}) + "\n")
+    assert load_dataset_spec(str(tmp_path))["x"] == ["a", "b"]
+    assert load_dataset_spec(f"{tmp_path}@test")["x"] == ["c"]
+    with pytest.raises(DataError, match="no data files for split 'validation'"):
+        load_dataset_spec(f"{tmp_path}@validation")
+
+
+def test_concatenation_keeps_order_and_max_samples(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"x": f"a{i}"}) + "\n" for i in range(3)))
+    b.write_text("".join(json.dumps({"x": f"b{i}", "y": i}) + "\n" for i in range(2)))
+    ds = load_dataset_spec(f"{a}, {b}")
+    assert ds["x"] == ["a0", "a1", "a2", "b0", "b1"]
+    assert ds["y"] == [None, None, None, 0, 1]  # columns missing in one file become None
+    assert ds["_index"] == [0, 1, 2, 0, 1]
+    assert load_dataset_spec(f"{a},{b}", max_samples=4)["x"] == ["a0", "a1", "a2", "b0"]
+
+
+def test_mixture_is_deterministic_and_follows_probs(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"x": f"a{i}"}) + "\n" for i in range(2000)))
+    b.write_text("".join(json.dumps({"x": f"b{i}"}) + "\n" for i in range(2000)))
+    spec = f"{a},{b}"
+    first = load_dataset_spec(spec, probs="0.7,0.3", seed=1, max_samples=2000)
+    again = load_dataset_spec(spec, probs="0.7,0.3", seed=1, max_samples=2000)
+    other = load_dataset_spec(spec, probs="0.7,0.3", seed=2, max_samples=2000)
+    assert first["x"] == again["x"]
+    assert first["x"] != other["x"]
+    assert len(first) == 2000
+    counts = Counter(src.rsplit("/", 1)[-1] for src in first["_source"])
+    # binomial(2000, 0.7): sd ~ 20.5; allow ~4 sd
+    assert abs(counts["a.jsonl"] - 1400) < 85, counts
+    # provenance points at the right record
+    for row in first.select(range(50)):
+        assert row["x"] == f"{row['_source'].rsplit('/', 1)[-1][0]}{row['_index']}"
+    # probability 0 leaves a dataset out
+    assert load_dataset_spec(spec, probs="1,0")["x"] == [f"a{i}" for i in range(2000)]
+
+
+def test_mixture_oversamples_until_every_dataset_is_used(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"x": f"a{i}"}) + "\n" for i in range(5)))
+    b.write_text("".join(json.dumps({"x": f"b{i}"}) + "\n" for i in range(40)))
+    ds = load_dataset_spec(f"{a},{b}", probs="0.5,0.5", seed=0)
+    # stopping_strategy="all_exhausted": runs until b's 40 records were all drawn, cycling a
+    assert set(ds["x"]) == {f"a{i}" for i in range(5)} | {f"b{i}" for i in range(40)}
+    assert len(ds) > 45
+
+
+@pytest.mark.parametrize(
+    "probs, message",
+    [
+        ("0.5", r"has 1 value\(s\) \(0.5\) but the dataset spec has 2 entries"),
+        ("0.5,0.4", r"must sum to 1: 0.5 \+ 0.4 = 0.9"),
+        ("1.2,-0.2", r"must be >= 0; got .*b.jsonl=-0.2"),
+        ("a,b", "must be a number"),
+    ],
+)
+def test_bad_probs(tmp_path, probs, message):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"x": name}) + "\n")
+    with pytest.raises(DataError, match=message):
+        load_dataset_spec(f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}", probs=probs)
+
+
+def test_file_errors_name_the_file_and_line(tmp_path):
+    with pytest.raises(DataError, match=r"not found: .*missing\.jsonl"):
+        load_dataset_spec(str(tmp_path / "missing.jsonl"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(DataError, match=r"empty\.jsonl: file is empty"):
+        load_dataset_spec(str(empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "a", "output": "b"}\n\n{"input": "c", "output": "d"\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl, line 3: malformed JSON line") as err:
+        load_dataset_spec(str(bad))
+    assert err.value.line == 3 and err.value.source == str(bad)
+    notobj = tmp_path / "list.jsonl"
+    notobj.write_text('{"a": 1}\n[1, 2]\n')
+    with pytest.raises(DataError, match=r"list\.jsonl, line 2: expected a JSON object"):
+        load_dataset_spec(str(notobj))
+    txt = tmp_path / "notes.txt"
+    txt.write_text("hello\n")
+    with pytest.raises(DataError, match=r"extension '\.txt' is not supported; supported: \.jsonl, \.json, \.csv"):
+        load_dataset_spec(str(txt))
+    with pytest.raises(DataError, match=r"single file, which has one split"):
+        load_dataset_spec(f"{bad}@test")
+
+
+def test_mixing_files_with_conflicting_column_types(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps({"answer": "3"}) + "\n")
+    b.write_text(json.dumps({"answer": 3}) + "\n")
+    with pytest.raises(DataError, match=r"column 'answer' has type int64 in .*b\.jsonl but string in .*a\.jsonl"):
+        load_dataset_spec(f"{a},{b}")
+
+
+def test_builtin_entries(tmp_path):
+    ds = load_dataset_spec("builtin:arithmetic?n=30&seed=3")
+    assert len(ds) == 30 and ds[0]["_source"] == "builtin:arithmetic?n=30&seed=3@train"
+    test = load_dataset_spec("builtin:arithmetic?n=30@test")
+    assert not set(ds["prompt"]) & set(test["prompt"])
+    assert load_dataset_spec("builtin:reverse?n=5", split="test")[0]["_source"] == "builtin:reverse?n=5@test"
+    with pytest.raises(DataError, match=r"unknown built-in dataset .nope.; available: .*arithmetic.*reverse"):
+        load_dataset_spec("builtin:nope")
