@@ -8,12 +8,12 @@ from contextlib import contextmanager
 
 @contextmanager
 def user_errors(prog: str):
+    from rlhforge.cli.env import setup_cli_environment
     from rlhforge.config.parsing import ConfigError
 
-    try:
-        from rlhforge.data.errors import DataError
-    except ImportError:  # pragma: no cover
-        DataError = ConfigError  # noqa: N806
+    setup_cli_environment()
+
+    from rlhforge.data.errors import DataError
     try:
         yield
     except (ConfigError, DataError, FileNotFoundError) as err:

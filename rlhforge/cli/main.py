@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"rlhforge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    from rlhforge.cli.env import setup_cli_environment
+
+    setup_cli_environment()
     module = importlib.import_module(COMMANDS[name][0])
     return module.main(rest, prog=f"rlhforge {name}") or 0
 

@@ -12,6 +12,8 @@ from pathlib import Path
 from rlhforge.config.parsing import parse_args, save_yaml, to_dict
 from rlhforge.config.sft import SFTConfig
 
+CONFIG_CLASS = SFTConfig
+
 
 def load_sft_data(cfg: SFTConfig, tokenizer):
     """Training and eval samples (eval from ``eval.dataset`` or a held-out fraction)."""

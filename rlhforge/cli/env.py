@@ -1,0 +1,26 @@
+"""Process-wide settings for command-line runs: quiet third-party progress bars and warnings."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def setup_cli_environment() -> None:
+    """Call once at the start of a command. Never overrides a variable the user has set."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no "unable to detect" warning
+    except ImportError:  # pragma: no cover
+        pass
+    if not sys.stderr.isatty() or os.environ.get("CI") or os.environ.get("TQDM_DISABLE"):
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:  # pragma: no cover
+            pass
