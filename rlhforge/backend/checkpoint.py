@@ -71,6 +71,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     *,
     max_num: int = 3,
+    max_mem_gb: float | None = None,
     protected: tuple[str, ...] = (),
     export_hf=None,
 ) -> Path:
@@ -94,17 +95,30 @@ def save_checkpoint(
             shutil.rmtree(final)
         tmp.rename(final)
         write_text_atomic(root / "latest", final.name)
-        rotate_checkpoints(root, max_num, protected=protected)
+        rotate_checkpoints(root, max_num, protected=protected, max_mem_gb=max_mem_gb)
     strategy.barrier()
     return final
 
 
-def rotate_checkpoints(root: Path, max_num: int, protected: tuple[str, ...] = ()) -> None:
-    if max_num <= 0:
-        return
-    found = [(s, p) for s, p in list_checkpoints(root) if p.name not in protected]
-    for _, path in found[:-max_num]:
-        shutil.rmtree(path, ignore_errors=True)
+def _size_gb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
+
+
+def rotate_checkpoints(
+    root: Path, max_num: int, protected: tuple[str, ...] = (), max_mem_gb: float | None = None
+) -> None:
+    """Keep the newest ``max_num`` unprotected checkpoints, then drop the oldest while the total size
+    exceeds ``max_mem_gb``. The newest checkpoint is never removed."""
+    found = [p for _, p in list_checkpoints(root) if p.name not in protected]
+    if max_num > 0:
+        for path in found[:-max_num]:
+            shutil.rmtree(path, ignore_errors=True)
+        found = found[-max_num:]
+    if max_mem_gb is not None:
+        sizes = [_size_gb(p) for p in found]
+        while len(found) > 1 and sum(sizes) > max_mem_gb:
+            shutil.rmtree(found.pop(0), ignore_errors=True)
+            sizes.pop(0)
 
 
 def load_checkpoint(strategy, directory: str | Path) -> dict[str, Any]:

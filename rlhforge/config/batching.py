@@ -60,3 +60,72 @@ def plan_batches(
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
     )
+
+
+@dataclass(frozen=True)
+class RLBatchPlan:
+    """Derived counts of one RL step (see :func:`plan_rl_batches`)."""
+
+    rollout_samples: int
+    """Samples generated per RL step: rollout.batch_size prompts x n_samples_per_prompt."""
+    train_batch_size: int
+    """Samples per optimizer step, all ranks together."""
+    updates_per_epoch: int
+    """Optimizer steps per pass over one rollout."""
+    updates_per_step: int
+    """Optimizer steps per RL step (x max_epochs)."""
+    grad_accum_steps: int
+    """Micro-batches per optimizer step on each rank."""
+    steps_per_episode: int
+    """RL steps per pass over the prompts (0 when the prompt count is not known yet)."""
+    total_steps: int
+    """RL steps in the whole run (0 when the prompt count is not known yet)."""
+    total_updates: int
+    """Optimizer steps in the whole run (for the lr schedule)."""
+
+
+def plan_rl_batches(
+    *, rollout_batch_size: int, n_samples_per_prompt: int, train_batch_size: int, micro_batch_size: int,
+    rollout_micro_batch_size: int, world_size: int, num_prompts: int | None, num_episodes: int = 1,
+    max_epochs: int = 1, max_steps: int = -1,
+) -> RLBatchPlan:
+    """RL counterpart of :func:`plan_batches`: ``rollout.batch_size x n_samples_per_prompt`` samples per
+    RL step are cut into optimizer steps of ``train.batch_size`` samples, each of ``micro_batch_size x
+    world_size x grad_accum`` samples. Fails showing the arithmetic."""
+    for name, value in (("rollout.batch_size", rollout_batch_size), ("rollout.n_samples_per_prompt", n_samples_per_prompt),
+                        ("train.batch_size", train_batch_size), ("train.micro_batch_size", micro_batch_size),
+                        ("rollout.micro_batch_size", rollout_micro_batch_size), ("train.max_epochs", max_epochs),
+                        ("train.num_episodes", num_episodes)):
+        if value <= 0:
+            raise ConfigError(f"{name} must be positive (got {value})")
+    samples = rollout_batch_size * n_samples_per_prompt
+    if samples % train_batch_size:
+        raise ConfigError(
+            f"rollout.batch_size {rollout_batch_size} x rollout.n_samples_per_prompt {n_samples_per_prompt} = "
+            f"{samples} samples per step is not divisible by train.batch_size {train_batch_size}"
+        )
+    if train_batch_size % (micro_batch_size * world_size):
+        raise ConfigError(
+            f"train.batch_size {train_batch_size} is not divisible by train.micro_batch_size {micro_batch_size} x "
+            f"{world_size} ranks = {micro_batch_size * world_size}"
+        )
+    if samples % world_size:
+        raise ConfigError(f"{samples} samples per step do not split over {world_size} ranks")
+    updates_per_epoch = samples // train_batch_size
+    steps_per_episode = total = 0
+    if num_prompts is not None:
+        steps_per_episode = num_prompts // rollout_batch_size
+        if steps_per_episode == 0:
+            raise ConfigError(
+                f"the prompt dataset has {num_prompts} prompts, fewer than one RL step "
+                f"(rollout.batch_size {rollout_batch_size}); lower rollout.batch_size or add prompts"
+            )
+        total = steps_per_episode * num_episodes
+        if max_steps > 0:
+            total = min(total, max_steps)
+    return RLBatchPlan(
+        rollout_samples=samples, train_batch_size=train_batch_size, updates_per_epoch=updates_per_epoch,
+        updates_per_step=updates_per_epoch * max_epochs,
+        grad_accum_steps=train_batch_size // (micro_batch_size * world_size), steps_per_episode=steps_per_episode,
+        total_steps=total, total_updates=total * updates_per_epoch * max_epochs,
+    )

@@ -25,7 +25,7 @@ class ModelConfig:
     gradient_checkpointing_reentrant: bool = False
     """Use the re-entrant implementation of activation checkpointing."""
     aux_loss_coef: float = 0.0
-    """Weight of the MoE load-balancing loss (models that return ``aux_loss``)."""
+    """Not supported yet: weight of the MoE load-balancing loss (must stay 0)."""
     trust_remote_code: bool = False
     """Allow model code shipped with the checkpoint (``from_pretrained(trust_remote_code=...)``)."""
 
@@ -102,13 +102,28 @@ class AdamConfig:
 
 
 @dataclass(frozen=True)
+class MuonConfig:
+    """Muon hyper-parameters (accepted for OpenRLHF compatibility; Muon is not supported yet)."""
+
+    lr: float = 0.02
+    """Muon learning rate."""
+    momentum: float = 0.95
+    """Muon momentum."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    nesterov: bool = True
+    """Nesterov momentum."""
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     """Optimizer and schedule. OpenRLHF's flat flags (``--optim``, ``--adam.lr``,
     ``--lr_scheduler``, ``--lr_warmup_ratio``, ``--min_lr_ratio``, ``--max_norm``) map here."""
 
-    name: Literal["adam"] = "adam"
-    """Optimizer (``--optim``). AdamW; muon is not supported yet."""
+    name: Literal["adam", "muon"] = "adam"
+    """Optimizer (``--optim``): AdamW. ``muon`` is not supported yet (fails at start-up)."""
     adam: AdamConfig = field(default_factory=AdamConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
     lr_scheduler: Literal["cosine_with_min_lr", "cosine", "constant", "constant_with_warmup", "linear"] = (
         "cosine_with_min_lr"
     )
@@ -170,7 +185,7 @@ class DataConfig:
     disable_fast_tokenizer: bool = False
     """Load the slow (Python) tokenizer."""
     dataloader_num_workers: int = 0
-    """Worker processes for data loading."""
+    """Accepted for OpenRLHF compatibility; no effect: data is tokenised once, before training."""
 
 
 @dataclass(frozen=True)
@@ -200,13 +215,14 @@ class CkptConfig:
     save_hf: bool = False
     """Also keep an HF export inside each checkpoint (always done for the final model)."""
     disable_ds: bool = False
-    """Do not write resumable training state (HF export only)."""
+    """Do not write resumable training state; with ``save_hf`` each save writes only
+    ``<ckpt.path>/step_N_hf/``."""
     path: str = "./ckpt/checkpoints"
     """Folder of resumable checkpoints (``step_N`` sub-folders)."""
     max_num: int = 3
     """Keep at most this many resumable checkpoints (oldest removed first)."""
     max_mem: int = 100_000_000
-    """Disk budget (GB) for checkpoints (kept for OpenRLHF compatibility; rotation uses max_num)."""
+    """Disk budget (GB) for resumable checkpoints: the oldest are removed while the total exceeds it."""
     load_enable: bool = False
     """Resume from the latest checkpoint in ``ckpt.path`` if one exists."""
 

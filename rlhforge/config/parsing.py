@@ -35,6 +35,11 @@ CURRENT_FLAT_ALIASES: dict[str, str] = {
     "--adam.betas": "--optim.adam.betas",
     "--adam.eps": "--optim.adam.eps",
     "--adam.weight_decay": "--optim.adam.weight_decay",
+    "--muon.lr": "--optim.muon.lr",
+    "--muon.momentum": "--optim.muon.momentum",
+    "--muon.ns_steps": "--optim.muon.ns_steps",
+    "--muon.nesterov": "--optim.muon.nesterov",
+    "--muon.no_nesterov": "--optim.muon.no_nesterov",
 }
 
 # OpenRLHF <= 0.9 flat names shared by SFT/RM/DPO (and PPO where the field exists).

@@ -26,6 +26,11 @@ def validate_common(cfg) -> None:
             raise ConfigError(f"--ds.{name} {value} is not supported by rlhforge yet (leave it at {default})")
     if getattr(cfg, "use_ms", False):
         raise ConfigError("--use_ms (ModelScope) is not supported; download the model and pass a local folder")
+    if cfg.optim.name == "muon":
+        raise ConfigError("--optim muon is not supported by rlhforge yet; use --optim adam")
+    if getattr(cfg.model, "aux_loss_coef", 0.0):
+        raise ConfigError(f"--model.aux_loss_coef {cfg.model.aux_loss_coef}: the MoE load-balancing loss is not "
+                          "supported by rlhforge yet (leave it at 0)")
     if cfg.ds.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--ds.zero_stage must be 0, 1, 2 or 3 (got {cfg.ds.zero_stage})")
     if cfg.train.max_tokens_per_device and not cfg.ds.packing_samples:

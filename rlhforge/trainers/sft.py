@@ -85,7 +85,7 @@ class SFTTrainer:
             if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
                 self.save_checkpoint()
         bar.close()
-        if not cfg.ckpt.disable_ds and cfg.ckpt.save_steps > 0:
+        if cfg.ckpt.save_steps > 0:
             self.save_checkpoint()
         save_hf(strategy, self.tokenizer, cfg.ckpt.output_dir)
 
@@ -136,11 +136,17 @@ class SFTTrainer:
         return {"eval/loss": nll / max(count, 1.0), "eval/tokens": count}
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        cfg = self.cfg
+    def save_checkpoint(self) -> Path | None:
+        cfg, step = self.cfg, self.state.global_step
+        if cfg.ckpt.disable_ds:  # no resumable state; at most an HF export
+            if not cfg.ckpt.save_hf:
+                return None
+            path = Path(cfg.ckpt.path) / f"step_{step}_hf"
+            save_hf(self.strategy, self.tokenizer, path)
+            return path
         export = (lambda d: save_hf(self.strategy, self.tokenizer, d)) if cfg.ckpt.save_hf else None
-        return save_checkpoint(self.strategy, cfg.ckpt.path, self.state.global_step, self.state.as_dict(),
-                               max_num=cfg.ckpt.max_num, export_hf=export)
+        return save_checkpoint(self.strategy, cfg.ckpt.path, step, self.state.as_dict(),
+                               max_num=cfg.ckpt.max_num, max_mem_gb=cfg.ckpt.max_mem, export_hf=export)
 
     def _maybe_resume(self) -> None:
         if not self.cfg.ckpt.load_enable:

@@ -61,6 +61,17 @@ def test_packed_padded_and_token_budget_give_the_same_losses(tiny_model_dir, tmp
             assert result[name][step] == pytest.approx(value, abs=1e-5), (name, step)
 
 
+def test_gradient_checkpointing_gives_the_same_losses(tiny_model_dir, tmp_path):
+    data = write_sft_data(tmp_path / "train.jsonl", n=16)
+    plain, ckpt = tmp_path / "plain", tmp_path / "gc"
+    assert sft_main(sft_args(tiny_model_dir, data, plain)) == 0
+    assert sft_main(sft_args(tiny_model_dir, data, ckpt, "--model.gradient_checkpointing_enable")) == 0
+    a, b = losses(plain), losses(ckpt)
+    assert len(a) == 2
+    for step in a:
+        assert b[step] == pytest.approx(a[step], abs=1e-5)
+
+
 def _run_cli(args, cwd=ROOT):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "rlhforge.cli.train_sft", *args], env=env, cwd=cwd,

@@ -14,8 +14,8 @@ ROOT = Path(__file__).parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_two_processes_match_single_process(tiny_model_dir, tmp_path, stage):
+@pytest.mark.parametrize("stage, offload", [(2, False), (3, True)], ids=["zero2", "zero3-adam-offload"])
+def test_zero_two_processes_match_single_process(tiny_model_dir, tmp_path, stage, offload):
     data = write_sft_data(tmp_path / "train.jsonl", n=24)
     single = tmp_path / "single"
     assert sft_main(sft_args(tiny_model_dir, data, single, "--ds.attn_implementation", "eager")) == 0
@@ -24,7 +24,8 @@ def test_zero_two_processes_match_single_process(tiny_model_dir, tmp_path, stage
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(29600 + stage + os.getpid() % 500), "-m", "rlhforge.cli.train_sft",
            *sft_args(tiny_model_dir, data, dist, "--ds.attn_implementation", "eager", "--ds.strategy", "deepspeed",
-                     "--ds.zero_stage", stage, "--train.micro_batch_size", "2", "--ckpt.save_steps", "2")]
+                     "--ds.zero_stage", stage, "--train.micro_batch_size", "2", "--ckpt.save_steps", "2",
+                     *(["--ds.adam_offload"] if offload else []))]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     a, b = losses(single), losses(dist)

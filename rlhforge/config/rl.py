@@ -1,0 +1,641 @@
+"""Configuration of ``rlhforge rl`` / ``python -m rlhforge.cli.train_ppo_ray`` (the PPO family).
+
+Sections and flag names follow OpenRLHF's ``train_ppo_ray`` (``--actor.*``, ``--critic.*``,
+``--ref.*``, ``--reward.*``, ``--vllm.*``, ``--rollout.*``, ``--train.*``, ``--algo.*``,
+``--ds.*``, ``--data.*``, ``--eval.*``, ``--ckpt.*``, ``--logger.*``). Where our default differs
+from OpenRLHF's the field's docstring says so and ``docs/rl.md`` lists it. Flags of features not
+built yet (vLLM engines, Ray placement, async training, agents, VLM, EMA ...) are accepted by
+name and fail at start-up when set to anything but their default (``validate``), never silently.
+
+OpenRLHF 0.9's flat names (``--pretrain``, ``--rollout_batch_size``, ``--init_kl_coef`` ...) are
+rewritten by :data:`RL_LEGACY_ALIASES` with a one-line deprecation notice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlhforge.config.components import (
+    AdamConfig,
+    CkptConfig,
+    DSConfig,
+    LoggerConfig,
+    OptimConfig,
+)
+from rlhforge.config.parsing import LEGACY_ALIASES, ConfigError
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class _ModelOptim:
+    """Optimiser block shared by actor and critic (``--actor.adam.lr``, ``--critic.max_norm`` ...)."""
+
+    optim: Literal["adam"] = "adam"
+    """Optimizer. AdamW (muon is not supported yet)."""
+    adam: AdamConfig = field(default_factory=AdamConfig)
+    lr_scheduler: Literal["cosine_with_min_lr", "cosine", "constant", "constant_with_warmup", "linear"] = (
+        "cosine_with_min_lr"
+    )
+    """Learning-rate schedule after warm-up."""
+    lr_warmup_ratio: float = 0.03
+    """Fraction of optimizer steps spent warming up linearly from 0."""
+    min_lr_ratio: float = 0.1
+    """Floor of ``cosine_with_min_lr`` as a fraction of the peak lr."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    num_nodes: int = 1
+    """Ray placement (not built yet: must stay 1)."""
+    num_gpus_per_node: int = 8
+    """Ray placement (not built yet; ignored by the in-process workers)."""
+    gradient_checkpointing_enable: bool = False
+    """Recompute activations in the backward pass."""
+    gradient_checkpointing_reentrant: bool = False
+    """Use the re-entrant implementation of activation checkpointing."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with the checkpoint."""
+
+    def optim_config(self) -> OptimConfig:
+        return OptimConfig(name=self.optim, adam=self.adam, lr_scheduler=self.lr_scheduler,
+                           lr_warmup_ratio=self.lr_warmup_ratio, min_lr_ratio=self.min_lr_ratio, max_norm=self.max_norm)
+
+
+@dataclass(frozen=True)
+class ActorConfig(_ModelOptim):
+    """The policy being trained."""
+
+    model_name_or_path: str | None = None
+    """HF hub id or local folder of the policy (``from_pretrained``)."""
+    adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=1e-6))
+    eps_clip: float = 0.2
+    """PPO clip range (both sides unless ``eps_clip_low_high`` is set)."""
+    eps_clip_low_high: tuple[float, float] | None = None
+    """Asymmetric clip ``(low, high)``, e.g. DAPO's clip-higher ``0.2 0.28``."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages (None disables)."""
+    policy_loss_type: Literal["ppo", "gspo"] = "ppo"
+    """Policy loss: token-level PPO clip, or GSPO's sequence-level ratio (uses ``seq-mean-token-mean``)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses become one number: global token mean, or mean over sequences of the
+    per-sequence token mean. Counts are global over the whole optimizer step."""
+    entropy_coef: float | None = None
+    """Entropy bonus coefficient (None or 0: entropy is logged only)."""
+    aux_loss_coef: float = 0.0
+    """MoE load-balancing loss weight (not supported yet: must stay 0)."""
+    freeze_visual_encoder: bool = False
+    """VLM only (not supported yet)."""
+
+
+@dataclass(frozen=True)
+class CriticConfig(_ModelOptim):
+    """Value model (only used by ``--algo.advantage.estimator gae``)."""
+
+    model_name_or_path: str | None = None
+    """Initial critic weights. Default: the reward model when one is given, else the actor."""
+    adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=9e-6))
+    value_clip: float | None = 0.5
+    """PPO value clipping around the experience-time values (None disables)."""
+    freezing_steps: int = -1
+    """Critic warm-up: the actor is frozen for the first N steps (-1: never)."""
+    save_value_network: bool = False
+    """Also export the critic (``<ckpt.output_dir>/critic``)."""
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """Reference policy (a frozen copy of the initial actor; created only when ``algo.kl.init_coef > 0``)."""
+
+    num_nodes: int = 1
+    """Ray placement (not built yet: must stay 1)."""
+    num_gpus_per_node: int = 8
+    """Ray placement (not built yet; ignored)."""
+    offload: bool = False
+    """Offload the reference model to CPU between uses (not supported yet)."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Where rewards come from, and how they are shaped."""
+
+    model_name_or_path: str | None = None
+    """Reward model (HF sequence classifier with one label; e.g. ``rlhforge rm`` output)."""
+    remote_url: str | None = None
+    """Reward source: a ``.py`` file defining ``reward_func(queries, prompts, labels, **kw)``, an HTTP
+    reward server URL (comma-separated list allowed), or a built-in verifier ``builtin:NAME``
+    (``builtin:arithmetic``, ``builtin:reverse``; ``builtin:auto`` routes by the record's datasource)."""
+    normalize_enable: bool = False
+    """Reward model only: normalise scores with the mean/std stored in the reward model's config."""
+    clip_range: tuple[float, float] | None = None
+    """Clamp the scalar reward to ``(low, high)``. Ours: off by default (OpenRLHF: (-10, 10))."""
+    overlong_buffer_len: int | None = None
+    """DAPO soft overlong penalty: the last N tokens before ``rollout.max_new_tokens`` are penalised linearly."""
+    overlong_penalty_factor: float = 1.0
+    """Maximum overlong penalty."""
+    stop_properly_penalty_coef: float | None = None
+    """Truncated samples: reward * coef (0 <= coef <= 1) or reward = coef (coef < 0). None disables."""
+    offload: bool = False
+    """Offload the reward model between uses (not supported yet)."""
+    num_nodes: int = 1
+    """Ray placement (not built yet: must stay 1)."""
+    num_gpus_per_node: int = 8
+    """Ray placement (not built yet; ignored)."""
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """vLLM generation engines (not built yet: every flag must stay at its default; the HF engine generates)."""
+
+    num_engines: int | None = None
+    """Number of vLLM engines (None/0: the in-process HF engine)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism."""
+    sync_backend: str = "nccl"
+    """Weight-sync backend."""
+    sync_with_ray: bool = False
+    """Sync weights with ray.util.collective."""
+    enable_prefix_caching: bool = False
+    """vLLM prefix caching."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    enable_sleep: bool = False
+    """Sleep vLLM between generation phases."""
+    gpu_memory_utilization: float = 0.95
+    """vLLM memory fraction."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Generation: how many prompts per step, samples per prompt, sampling parameters."""
+
+    batch_size: int = 1024
+    """Prompts per RL step (global)."""
+    n_samples_per_prompt: int = 1
+    """Samples generated per prompt (the group size of GRPO/RLOO/...)."""
+    micro_batch_size: int = 1
+    """Samples per forward pass when computing log-probs, values and reward-model scores (per device)."""
+    max_new_tokens: int | None = None
+    """Longest response. None: ``data.max_len - prompt length``."""
+    temperature: float = 1.0
+    """Sampling temperature (the log-probs used for training are taken at this temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling (-1 disables). rlhforge-specific."""
+    generate_batch_size: int = 64
+    """Sequences per batched ``generate`` call of the HF engine. rlhforge-specific."""
+    vllm_generate_batch_size: int | None = None
+    """vLLM only (not built yet)."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget of the log-prob passes (not supported yet)."""
+
+
+# --------------------------------------------------------------------------------------------- loop
+
+
+@dataclass(frozen=True)
+class RLTrainConfig:
+    """Batching and loop. ``batch_size`` is global (samples per optimizer step)."""
+
+    batch_size: int = 128
+    """Samples (prompt x sample pairs) per optimizer step; a rollout of ``rollout.batch_size x
+    n_samples_per_prompt`` samples gives that many / batch_size optimizer steps per epoch."""
+    micro_batch_size: int = 1
+    """Samples per forward/backward on one device."""
+    max_epochs: int = 1
+    """Passes over each rollout (PPO epochs)."""
+    num_episodes: int = 1
+    """Passes over the prompt dataset."""
+    max_steps: int = -1
+    """Stop after this many RL steps (-1: all episodes). rlhforge-specific."""
+    seed: int = 42
+    """Seed for data order, initialisation and sampling (every request gets its own derived seed)."""
+    full_determinism_enable: bool = False
+    """Use deterministic algorithms."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the in-process workers. rlhforge-specific."""
+    colocate_actor_ref: bool = False
+    """Placement hint (in-process workers always share one device; accepted)."""
+    colocate_critic_reward: bool = False
+    """Placement hint (in-process workers always share one device; accepted)."""
+    colocate_all: bool = False
+    """Placement hint (in-process workers always share one device; accepted)."""
+    async_enable: bool = False
+    """Asynchronous rollout/training (not built yet)."""
+    async_queue_size: int = 1
+    """Async queue size (not built yet)."""
+    partial_rollout_enable: bool = False
+    """Partial rollouts (not built yet)."""
+    agent_func_path: str | None = None
+    """Multi-turn agent function (not built yet)."""
+    dynamic_batch_enable: bool = False
+    """Token-budget micro-batches (not supported in RL yet)."""
+    max_tokens_per_gpu: int = 16192
+    """Token budget for dynamic batching (not supported in RL yet)."""
+    enable_ema: bool = False
+    """EMA of the actor weights (not built yet)."""
+    ema_beta: float = 0.992
+    """EMA decay (not built yet)."""
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """Advantage estimation and rollout-vs-trainer importance-sampling correction."""
+
+    estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce"] = (
+        "gae"
+    )
+    """gae (PPO with a critic), reinforce (REINFORCE++), reinforce_baseline, rloo, group_norm (GRPO),
+    dr_grpo, flash_reinforce."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lambd: float = 1.0
+    """GAE lambda."""
+    no_std_norm: bool = False
+    """Do not divide by the std when whitening (and group_norm becomes mean-centering only)."""
+    is_correction_level: Literal["off", "token", "seq"] = "off"
+    """Importance-sampling correction between the rollout engine's and the trainer's log-probs."""
+    is_correction_mode: Literal["mask", "clip"] = "mask"
+    """Mask tokens/sequences outside the band, or clip their weights."""
+    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = "ratio"
+    """Statistic compared with the band."""
+    is_correction_threshold: tuple[float, ...] = (0.5, 5.0)
+    """``low high`` band (one value: high only)."""
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    """KL to the reference policy: as a reward penalty (default) or as a loss term."""
+
+    init_coef: float = 0.01
+    """Initial KL coefficient (0: no reference model)."""
+    target: float | None = None
+    """Adaptive controller target KL (None: fixed coefficient)."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator (k1 for the reward penalty; k2/k3 recommended with ``use_loss``)."""
+    use_loss: bool = False
+    """Add ``init_coef * KL`` to the policy loss instead of penalising the reward (GRPO style)."""
+    unbiased_gradient: bool = False
+    """Unbiased KL-loss gradient (not supported yet)."""
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    dynamic_filtering_enable: bool = False
+    """DAPO dynamic sampling: drop prompt groups whose mean score is outside the open range; refill
+    from the prompt stream until the rollout batch is full."""
+    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
+    """Keep groups whose mean score lies strictly inside this range."""
+    max_filter_refills: int = 8
+    """Give up refilling after this many extra generation rounds in one step (the step then trains on
+    what passed). rlhforge-specific."""
+
+
+@dataclass(frozen=True)
+class RLDSConfig(DSConfig):
+    """Training backend, as ``--ds.*`` of the other commands, plus RL-only flags."""
+
+    enable_sleep: bool = False
+    """Offload DeepSpeed states between phases (not supported yet)."""
+    value_head_prefix: str = "score"
+    """Name of the value head of reward and critic models."""
+
+
+@dataclass(frozen=True)
+class RLDataConfig:
+    """Prompt data."""
+
+    prompt_dataset: str | None = None
+    """Comma-separated files/folders/hub ids or ``builtin:NAME`` (see ``--data.dataset`` of sft)."""
+    prompt_probs: str | None = None
+    """Comma-separated mixing probabilities, one per prompt dataset."""
+    prompt_split: str = "train"
+    """Split to read from hub datasets and ``datasets`` folders."""
+    input_key: str = "input"
+    """Field with the prompt (a string, or a list of chat messages with ``apply_chat_template``)."""
+    label_key: str | None = None
+    """Field with the label passed to the reward function (e.g. the reference answer)."""
+    datasource_key: str = "datasource"
+    """Field naming the task of a record (reward routing, per-datasource eval). rlhforge-specific."""
+    input_template: str | None = None
+    """Template with one ``{}`` wrapped around the prompt when no chat template is applied."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template."""
+    tokenizer_chat_template: str | None = None
+    """Override the tokenizer's chat template (Jinja text or a file)."""
+    max_len: int = 2048
+    """Longest prompt + response."""
+    prompt_max_len: int | None = None
+    """Longest prompt in tokens; longer prompts are skipped (the count is printed). None:
+    ``max_len - 1``. OpenRLHF 0.9's ``--prompt_max_len``."""
+    max_samples: int = 100_000_000
+    """Keep at most this many prompts."""
+    disable_fast_tokenizer: bool = False
+    """Load the slow tokenizer."""
+    dataloader_num_workers: int = 0
+    """Unused (prompts are tokenised up front)."""
+    image_key: str = "images"
+    """VLM only (not supported yet)."""
+    max_images_per_prompt: int = 0
+    """VLM only (not supported yet: must stay 0)."""
+
+
+@dataclass(frozen=True)
+class RLEvalConfig:
+    """Evaluation: pass@1 (mean score), pass@n (max over samples), length, truncation, per datasource."""
+
+    dataset: str | None = None
+    """Eval prompt files (same syntax as ``--data.prompt_dataset``)."""
+    split: str = "train"
+    """Split to read."""
+    steps: int = -1
+    """Evaluate every N RL steps (-1: never; 0 counts as never). Also before the first step when set."""
+    temperature: float = 0.6
+    """Sampling temperature of eval (0: greedy)."""
+    n_samples_per_prompt: int = 4
+    """Samples per eval prompt (pass@n)."""
+    max_samples: int = 100_000
+    """Keep at most this many eval prompts."""
+    max_new_tokens: int | None = None
+    """Longest eval response (None: ``rollout.max_new_tokens``). rlhforge-specific."""
+
+
+@dataclass(frozen=True)
+class RLCkptConfig(CkptConfig):
+    path: str = "./ckpt/checkpoints_ppo_ray"
+    """Folder of resumable checkpoints (``step_N`` sub-folders)."""
+    max_mem: float = float("inf")
+    """Disk budget in GB (kept for OpenRLHF compatibility; rotation uses max_num)."""
+    best_metric_key: str = ""
+    """Eval metric that picks the best checkpoint (kept beside the newest ones, never rotated away).
+    "": ``eval/pass1``; "none" disables."""
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """RL training of the PPO family: PPO with a critic, REINFORCE++(-baseline), GRPO, Dr. GRPO, RLOO, GSPO."""
+
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: RLTrainConfig = field(default_factory=RLTrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    ds: RLDSConfig = field(default_factory=RLDSConfig)
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    eval: RLEvalConfig = field(default_factory=RLEvalConfig)
+    ckpt: RLCkptConfig = field(default_factory=RLCkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    local_rank: int = -1
+    """Set by launchers; the rank is read from the environment."""
+    use_ms: bool = False
+    """Not supported: ModelScope downloads."""
+
+    def validate(self) -> None:
+        validate_rl(self)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algo.advantage.estimator == "gae"
+
+    @property
+    def uses_ref(self) -> bool:
+        return self.algo.kl.init_coef > 0
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+#: (section, field) -> default; a different value means a feature that is not built yet
+_NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
+    ("vllm", "num_engines"): (None, "vLLM engines (the in-process HF engine generates; set 0 or drop the flag)"),
+    ("vllm", "tensor_parallel_size"): (1, "vLLM tensor parallelism"),
+    ("vllm", "sync_with_ray"): (False, "vLLM weight sync through Ray"),
+    ("vllm", "enable_prefix_caching"): (False, "vLLM prefix caching"),
+    ("vllm", "enforce_eager"): (False, "vLLM eager mode"),
+    ("vllm", "enable_sleep"): (False, "vLLM sleep mode"),
+    ("rollout", "vllm_generate_batch_size"): (None, "vLLM generate batch size"),
+    ("rollout", "max_tokens_per_gpu"): (None, "token-budget log-prob passes"),
+    ("train", "async_enable"): (False, "asynchronous training"),
+    ("train", "async_queue_size"): (1, "asynchronous training"),
+    ("train", "partial_rollout_enable"): (False, "partial rollouts (async)"),
+    ("train", "agent_func_path"): (None, "multi-turn agents"),
+    ("train", "dynamic_batch_enable"): (False, "dynamic (token-budget) batching in RL"),
+    ("train", "enable_ema"): (False, "EMA of the actor"),
+    ("actor", "num_nodes"): (1, "Ray placement over several nodes"),
+    ("critic", "num_nodes"): (1, "Ray placement over several nodes"),
+    ("ref", "num_nodes"): (1, "Ray placement over several nodes"),
+    ("reward", "num_nodes"): (1, "Ray placement over several nodes"),
+    ("ref", "offload"): (False, "reference-model offload"),
+    ("reward", "offload"): (False, "reward-model offload"),
+    ("actor", "aux_loss_coef"): (0.0, "the MoE auxiliary loss in RL"),
+    ("actor", "freeze_visual_encoder"): (False, "vision-language models"),
+    ("data", "max_images_per_prompt"): (0, "vision-language models"),
+    ("algo", "dynamic_filtering_range"): (None, ""),  # checked below (has a real meaning)
+    ("ds", "enable_sleep"): (False, "DeepSpeed sleep (state offload between phases)"),
+    ("ds", "use_universal_ckpt"): (False, "DeepSpeed universal checkpoints"),
+    ("ds", "deepcompile"): (False, "DeepSpeed DeepCompile"),
+    ("ds", "use_liger_kernel"): (False, "Liger kernels"),
+    ("ds", "ring_attn_size"): (1, "ring attention"),
+    ("ds", "ring_attn_head_stride"): (1, "ring attention"),
+    ("ds", "tensor_parallel_size"): (1, "DeepSpeed AutoTP"),
+    ("ds", "experts_implementation"): (None, "MoE experts implementations"),
+    ("algo.kl", "unbiased_gradient"): (False, "the unbiased KL-loss gradient"),
+}
+
+_GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate_rl(cfg: RLConfig) -> None:
+    """Start-up checks with messages that show the value, the rule and the fix."""
+    if cfg.actor.model_name_or_path is None:
+        raise ConfigError("--actor.model_name_or_path is required (an HF hub id or a local folder)")
+    if cfg.data.prompt_dataset is None:
+        raise ConfigError("--data.prompt_dataset is required (files, folders, hub ids or builtin:NAME; comma-separated)")
+    if cfg.use_ms:
+        raise ConfigError("--use_ms (ModelScope) is not supported; download the model and pass a local folder")
+    for (section, name), (default, what) in _NOT_BUILT.items():
+        if not what:
+            continue
+        value = _get(cfg, f"{section}.{name}")
+        if section == "vllm" and name == "num_engines" and value == 0:
+            continue
+        if value != default:
+            raise ConfigError(
+                f"--{section}.{name} {value} needs {what}, which rlhforge does not have yet "
+                f"(leave it at {default}; one process with the HF engine runs everything)"
+            )
+    if cfg.reward.model_name_or_path is None and cfg.reward.remote_url is None:
+        raise ConfigError(
+            "no reward source: set --reward.remote_url (a .py file with reward_func, an http:// reward server, "
+            "or builtin:NAME) or --reward.model_name_or_path (a reward model)"
+        )
+    if cfg.reward.model_name_or_path and "," in cfg.reward.model_name_or_path:
+        raise ConfigError("several reward models (comma-separated --reward.model_name_or_path) are not supported yet")
+    est = cfg.algo.advantage.estimator
+    n = cfg.rollout.n_samples_per_prompt
+    if est in _GROUP_ESTIMATORS and n <= 1:
+        raise ConfigError(f"{est} needs rollout.n_samples_per_prompt > 1 (got {n}): it compares samples of one prompt")
+    if cfg.algo.dynamic_filtering_enable and n <= 1:
+        raise ConfigError(f"--algo.dynamic_filtering_enable needs rollout.n_samples_per_prompt > 1 (got {n})")
+    lo, hi = cfg.algo.dynamic_filtering_range
+    if not lo < hi:
+        raise ConfigError(f"--algo.dynamic_filtering_range needs low < high (got {lo} {hi})")
+    if cfg.actor.dual_clip is not None and cfg.actor.dual_clip <= 1:
+        raise ConfigError(f"--actor.dual_clip must be > 1 (got {cfg.actor.dual_clip})")
+    if cfg.algo.kl.init_coef < 0:
+        raise ConfigError(f"--algo.kl.init_coef must be >= 0 (got {cfg.algo.kl.init_coef})")
+    if cfg.algo.kl.target is not None and cfg.algo.kl.init_coef <= 0:
+        raise ConfigError("--algo.kl.target (adaptive KL) needs --algo.kl.init_coef > 0")
+    if cfg.algo.kl.use_loss and cfg.algo.kl.estimator == "k1":
+        print("[rlhforge] note: --algo.kl.use_loss with estimator k1 has a zero-mean gradient; k3 or k2 is usual")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError(f"--rollout.temperature must be > 0 for RL sampling (got {cfg.rollout.temperature})")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"--rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
+    if cfg.eval.n_samples_per_prompt < 1:
+        raise ConfigError(f"--eval.n_samples_per_prompt must be >= 1 (got {cfg.eval.n_samples_per_prompt})")
+    if cfg.reward.stop_properly_penalty_coef is not None and cfg.reward.stop_properly_penalty_coef > 1:
+        raise ConfigError(f"--reward.stop_properly_penalty_coef must be <= 1 (got {cfg.reward.stop_properly_penalty_coef})")
+    if cfg.reward.overlong_buffer_len is not None:
+        max_new = cfg.rollout.max_new_tokens
+        if max_new is None or not 0 < cfg.reward.overlong_buffer_len <= max_new:
+            raise ConfigError(
+                f"--reward.overlong_buffer_len {cfg.reward.overlong_buffer_len} needs --rollout.max_new_tokens set "
+                f"and 0 < buffer_len <= max_new_tokens (got max_new_tokens={max_new})"
+            )
+    if cfg.ds.lora.rank < 0:
+        raise ConfigError(f"--ds.lora.rank must be >= 0 (got {cfg.ds.lora.rank})")
+    if cfg.ds.load_in_4bit and cfg.ds.lora.rank == 0:
+        raise ConfigError("--ds.load_in_4bit (QLoRA) needs LoRA adapters: set --ds.lora.rank > 0")
+    if cfg.ds.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--ds.zero_stage must be 0, 1, 2 or 3 (got {cfg.ds.zero_stage})")
+    if cfg.data.input_template is not None and "{}" not in cfg.data.input_template:
+        raise ConfigError(f"--data.input_template must contain '{{}}' for the prompt (got {cfg.data.input_template!r})")
+    if cfg.data.prompt_probs is not None:
+        if len(cfg.data.prompt_probs.split(",")) != len(cfg.data.prompt_dataset.split(",")):
+            raise ConfigError(
+                f"--data.prompt_probs has {len(cfg.data.prompt_probs.split(','))} values for "
+                f"{len(cfg.data.prompt_dataset.split(','))} datasets ({cfg.data.prompt_dataset})"
+            )
+    if cfg.critic.freezing_steps > 0 and not cfg.uses_critic:
+        raise ConfigError("--critic.freezing_steps needs a critic (--algo.advantage.estimator gae)")
+    from rlhforge.config.batching import plan_rl_batches
+
+    plan_rl_batches(rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=n,
+                    train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
+                    rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=1, num_prompts=None,
+                    num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs)
+
+
+# --------------------------------------------------------------------------------------------- aliases
+
+#: OpenRLHF <= 0.9 flat names of ``train_ppo_ray`` -> our dotted names (rewritten with a notice).
+RL_LEGACY_ALIASES: dict[str, str] = {
+    **{k: v for k, v in LEGACY_ALIASES.items() if not v.startswith(("--model.", "--data.", "--eval.dataset",
+                                                                         "--eval.split", "--optim."))},
+    "--pretrain": "--actor.model_name_or_path",
+    "--reward_pretrain": "--reward.model_name_or_path",
+    "--critic_pretrain": "--critic.model_name_or_path",
+    "--remote_rm_url": "--reward.remote_url",
+    "--colocate_all_models": "--train.colocate_all",
+    "--colocate_actor_ref": "--train.colocate_actor_ref",
+    "--colocate_critic_reward": "--train.colocate_critic_reward",
+    "--ref_num_nodes": "--ref.num_nodes",
+    "--ref_num_gpus_per_node": "--ref.num_gpus_per_node",
+    "--reward_num_nodes": "--reward.num_nodes",
+    "--reward_num_gpus_per_node": "--reward.num_gpus_per_node",
+    "--critic_num_nodes": "--critic.num_nodes",
+    "--critic_num_gpus_per_node": "--critic.num_gpus_per_node",
+    "--actor_num_nodes": "--actor.num_nodes",
+    "--actor_num_gpus_per_node": "--actor.num_gpus_per_node",
+    "--vllm_num_engines": "--vllm.num_engines",
+    "--vllm_tensor_parallel_size": "--vllm.tensor_parallel_size",
+    "--vllm_sync_backend": "--vllm.sync_backend",
+    "--vllm_sync_with_ray": "--vllm.sync_with_ray",
+    "--enable_prefix_caching": "--vllm.enable_prefix_caching",
+    "--enforce_eager": "--vllm.enforce_eager",
+    "--vllm_enable_sleep": "--vllm.enable_sleep",
+    "--vllm_gpu_memory_utilization": "--vllm.gpu_memory_utilization",
+    "--deepspeed_enable_sleep": "--ds.enable_sleep",
+    "--advantage_estimator": "--algo.advantage.estimator",
+    "--gamma": "--algo.advantage.gamma",
+    "--lambd": "--algo.advantage.lambd",
+    "--no_advantage_std_norm": "--algo.advantage.no_std_norm",
+    "--init_kl_coef": "--algo.kl.init_coef",
+    "--kl_target": "--algo.kl.target",
+    "--kl_horizon": "--algo.kl.horizon",
+    "--kl_estimator": "--algo.kl.estimator",
+    "--use_kl_loss": "--algo.kl.use_loss",
+    "--dynamic_filtering": "--algo.dynamic_filtering_enable",
+    "--dynamic_filtering_reward_range": "--algo.dynamic_filtering_range",
+    "--async_train": "--train.async_enable",
+    "--micro_rollout_batch_size": "--rollout.micro_batch_size",
+    "--rollout_batch_size": "--rollout.batch_size",
+    "--n_samples_per_prompt": "--rollout.n_samples_per_prompt",
+    "--generate_max_len": "--rollout.max_new_tokens",
+    "--temperature": "--rollout.temperature",
+    "--top_p": "--rollout.top_p",
+    "--num_episodes": "--train.num_episodes",
+    "--actor_learning_rate": "--actor.adam.lr",
+    "--critic_learning_rate": "--critic.adam.lr",
+    "--lr_warmup_ratio": "--actor.lr_warmup_ratio",
+    "--max_norm": "--actor.max_norm",
+    "--l2": "--actor.adam.weight_decay",
+    "--adam_betas": "--actor.adam.betas",
+    "--eps_clip": "--actor.eps_clip",
+    "--eps_clip_low_high": "--actor.eps_clip_low_high",
+    "--dual_clip": "--actor.dual_clip",
+    "--policy_loss_type": "--actor.policy_loss_type",
+    "--entropy_loss_coef": "--actor.entropy_coef",
+    "--value_clip": "--critic.value_clip",
+    "--freezing_actor_steps": "--critic.freezing_steps",
+    "--save_value_network": "--critic.save_value_network",
+    "--normalize_reward": "--reward.normalize_enable",
+    "--reward_clip_range": "--reward.clip_range",
+    "--overlong_buffer_len": "--reward.overlong_buffer_len",
+    "--overlong_penalty_factor": "--reward.overlong_penalty_factor",
+    "--stop_properly_penalty_coef": "--reward.stop_properly_penalty_coef",
+    "--ref_reward_offload": "--ref.offload",
+    "--gradient_checkpointing": "--actor.gradient_checkpointing_enable",
+    "--gradient_checkpointing_use_reentrant": "--actor.gradient_checkpointing_reentrant",
+    "--aux_loss_coef": "--actor.aux_loss_coef",
+    "--value_head_prefix": "--ds.value_head_prefix",
+    "--prompt_data": "--data.prompt_dataset",
+    "--prompt_data_probs": "--data.prompt_probs",
+    "--prompt_split": "--data.prompt_split",
+    "--eval_dataset": "--eval.dataset",
+    "--eval_split": "--eval.split",
+    "--eval_temperature": "--eval.temperature",
+    "--eval_n_samples_per_prompt": "--eval.n_samples_per_prompt",
+    "--input_key": "--data.input_key",
+    "--label_key": "--data.label_key",
+    "--input_template": "--data.input_template",
+    "--apply_chat_template": "--data.apply_chat_template",
+    "--tokenizer_chat_template": "--data.tokenizer_chat_template",
+    "--max_len": "--data.max_len",
+    "--prompt_max_len": "--data.prompt_max_len",
+    "--max_samples": "--data.max_samples",
+    "--disable_fast_tokenizer": "--data.disable_fast_tokenizer",
+    "--agent_func_path": "--train.agent_func_path",
+    "--best_metric_key": "--ckpt.best_metric_key",
+}
+
+#: OpenRLHF <= 0.9 switches whose meaning is a value here.
+RL_LEGACY_SWITCHES: dict[str, list[str]] = {
+    "--enable_vllm_is_correction": ["--algo.advantage.is_correction_level", "token",
+                                    "--algo.advantage.is_correction_mode", "clip"],
+}
