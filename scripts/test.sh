@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh dev
-export TQDM_DISABLE=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}"
+export TQDM_DISABLE=1
 exec .venv/bin/python -m pytest -q "$@"
