@@ -17,7 +17,7 @@ def deepspeed_config(ds_cfg, optim_cfg, dtype: torch.dtype, micro_batch_size: in
         "stage": ds_cfg.zero_stage,
         "overlap_comm": ds_cfg.overlap_comm,
         "contiguous_gradients": True,
-        "reduce_bucket_size": "auto" if False else 5e7,
+        "reduce_bucket_size": 5e7,
         "stage3_gather_16bit_weights_on_model_save": True,
     }
     if ds_cfg.zpg > 1:

@@ -106,7 +106,6 @@ LEGACY_ALIASES: dict[str, str] = {
 # Legacy switches whose meaning is carried by a value in the new layout.
 LEGACY_SWITCHES: dict[str, list[str]] = {
     "--bf16": ["--ds.param_dtype", "bf16"],
-    "--use_tensorboard": [],  # handled as alias with value
     "--flash_attn": ["--ds.attn_implementation", "flash_attention_2"],
 }
 

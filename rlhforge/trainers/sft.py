@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from rlhforge.algorithms.aggregation import aggregate_token_mean
 from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlhforge.backend.device import peak_memory_bytes
 from rlhforge.config.batching import BatchPlan
@@ -49,13 +50,12 @@ class SFTTrainer:
             batch = collate_padded(samples, self.tokenizer.pad_token_id)
         return {k: v.to(self.strategy.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    def _nll_sum(self, samples) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed NLL over target tokens of ``samples`` and their count."""
+    def _token_nll(self, samples) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token NLL ``[B, T]`` of ``samples`` and the target mask ``[B, T]``."""
         batch = self._collate(samples)
         with self.strategy.autocast():
             logps = token_logprobs(self.model, batch)
-        mask = batch["loss_mask"].to(logps.dtype)
-        return -(logps.float() * mask).sum(), mask.sum()
+        return -logps.float(), batch["loss_mask"].float()
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -75,7 +75,8 @@ class SFTTrainer:
             metrics.update({"train/epoch": epoch + (step_in_epoch + 1) / plan.steps_per_epoch,
                             "timing/step": time.perf_counter() - start})
             metrics["perf/tokens_per_s"] = metrics["train/tokens"] / metrics["timing/step"]
-            if cfg.eval.steps > 0 and step % cfg.eval.steps == 0 or step % plan.steps_per_epoch == 0:
+            epoch_end = step % plan.steps_per_epoch == 0
+            if epoch_end or (cfg.eval.steps > 0 and step % cfg.eval.steps == 0):
                 metrics.update(self.evaluate())
             if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
                 metrics["perf/peak_memory_gb"] = peak_memory_bytes(strategy.device) / 2**30
@@ -102,12 +103,12 @@ class SFTTrainer:
         groups = pad_micro_batch_count(strategy, groups)
         nll_total = torch.zeros(())
         for k, group in enumerate(groups):
-            is_dummy = group is None
-            nll, _ = self._nll_sum([samples[indices[0]]] if is_dummy else [samples[i] for i in group])
-            loss = nll * (0.0 if is_dummy else strategy.world_size / global_tokens)
-            strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
+            is_dummy = group is None  # a zero-weighted pass keeping ranks aligned
+            nll, mask = self._token_nll([samples[indices[0]]] if is_dummy else [samples[i] for i in group])
+            loss = aggregate_token_mean(nll, mask, global_tokens=global_tokens, dp_size=strategy.world_size)
+            strategy.backward(loss * 0.0 if is_dummy else loss, is_last_micro_batch=k == len(groups) - 1)
             if not is_dummy:
-                nll_total += nll.detach().cpu()
+                nll_total += (nll * mask).sum().detach().cpu()
         stats = strategy.step()
         global_nll = strategy.all_reduce(nll_total, op="sum").item()
         return {"train/loss": global_nll / global_tokens, "train/lr": stats["lr"],
@@ -125,11 +126,11 @@ class SFTTrainer:
         batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
         for group in pad_micro_batch_count(strategy, batches):
             if group is None:  # keep collectives aligned across ranks (ZeRO-3)
-                self._nll_sum([self.eval_samples[0]])
+                self._token_nll([self.eval_samples[0]])
                 continue
-            s, c = self._nll_sum([self.eval_samples[i] for i in group])
-            nll += s.cpu()
-            count += c.cpu()
+            token_nll, mask = self._token_nll([self.eval_samples[i] for i in group])
+            nll += (token_nll * mask).sum().cpu()
+            count += mask.sum().cpu()
         strategy.train()
         nll = strategy.all_reduce(nll, op="sum").item()
         count = strategy.all_reduce(count, op="sum").item()
