@@ -9,9 +9,17 @@ import torch
 from rlhforge.backend.device import default_attn_implementation
 
 
+def check_model_path(path: str) -> None:
+    """A path that is clearly local (absolute, ./, ../, ~) must exist: say so instead of a hub error."""
+    p = Path(path).expanduser()
+    if str(path).startswith(("/", "./", "../", "~")) and not p.exists():
+        raise FileNotFoundError(f"model folder not found: {path}")
+
+
 def load_tokenizer(path: str, *, chat_template: str | None = None, use_fast: bool = True, padding_side: str = "right"):
     from transformers import AutoTokenizer
 
+    check_model_path(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, use_fast=use_fast, padding_side=padding_side)
     except OSError as err:
@@ -59,6 +67,7 @@ def load_causal_lm(path: str, model_cfg, ds_cfg, device: torch.device, *, auto_c
             bnb_4bit_use_double_quant=True,
         )
         load_kwargs["dtype"] = torch.bfloat16
+    check_model_path(path)
     try:
         model = auto_class.from_pretrained(path, **load_kwargs)
     except OSError as err:
