@@ -7,7 +7,11 @@ import sys
 
 COMMANDS = {
     "quickstart": ("rlhforge.cli.quickstart", "build a tiny model and train it on a built-in task (CPU, minutes)"),
+    "rl": ("rlhforge.cli.train_ppo_ray", "RL: PPO, GRPO, REINFORCE++, RLOO, ... (= python -m rlhforge.cli.train_ppo_ray)"),
     "sft": ("rlhforge.cli.train_sft", "supervised fine-tuning (= python -m rlhforge.cli.train_sft)"),
+    "rm": ("rlhforge.cli.train_rm", "pairwise reward model (= python -m rlhforge.cli.train_rm)"),
+    "dpo": ("rlhforge.cli.train_dpo", "DPO / cDPO / IPO (= python -m rlhforge.cli.train_dpo)"),
+    "serve-rm": ("rlhforge.cli.serve_rm", "HTTP reward server over a reward model (= python -m rlhforge.cli.serve_rm)"),
     "tiny-model": ("rlhforge.cli.tiny_model", "write a tiny Llama + local BPE tokenizer to a folder"),
     "merge-lora": ("rlhforge.cli.lora_combiner", "merge a LoRA adapter into its base model"),
 }

@@ -1,0 +1,61 @@
+"""The ``Trajectory``: what an agent executor hands the experience maker (token ids, never text)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Trajectory"]
+
+
+@dataclass
+class Trajectory:
+    """One sampled episode.
+
+    ``token_ids`` is the whole sequence (prompt, then every generated or environment token, in
+    order). ``action_ranges`` are half-open ``(start, end)`` spans of ``token_ids`` the model
+    generated (trained on); environment feedback between them is not. ``rollout_logprobs`` holds
+    the engine's log-prob of every action token, in order (``sum(end - start)`` values).
+    """
+
+    token_ids: list[int]
+    prompt_len: int
+    action_ranges: list[tuple[int, int]]
+    rollout_logprobs: list[float]
+    finish_reason: str
+    """``stop`` or ``length`` (of the last generation)."""
+    label: Any = None
+    datasource: str | None = None
+    prompt_index: int = -1
+    """Index of the prompt record in its dataset."""
+    sample_index: int = 0
+    """Which of the prompt's ``n_samples_per_prompt`` samples this is."""
+    reward: float | None = None
+    """Scalar reward (set by the reward source, before shaping)."""
+    score: float | None = None
+    """0-1 score for filtering and pass@k (kept apart from the reward)."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """Extra per-sample metrics (reward ``extra_logs``, environment info)."""
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def response_length(self) -> int:
+        return sum(e - s for s, e in self.action_ranges)
+
+    def action_mask(self) -> list[int]:
+        """1 at every action token of ``token_ids``."""
+        mask = [0] * len(self.token_ids)
+        for s, e in self.action_ranges:
+            mask[s:e] = [1] * (e - s)
+        return mask

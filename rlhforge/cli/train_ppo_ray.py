@@ -1,0 +1,124 @@
+"""RL training (PPO family). ``python -m rlhforge.cli.train_ppo_ray`` (OpenRLHF's module name) or ``rlhforge rl``.
+
+Same flags as OpenRLHF's ``train_ppo_ray`` for every feature rlhforge has (see docs/rl.md). All
+models run in this process (actor, reference, critic, reward model, and the HF generation engine);
+Ray workers and vLLM engines come with the distributed issue, and their flags fail with a clear
+message until then.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rlhforge.config.parsing import ConfigError, save_yaml, to_dict
+from rlhforge.config.rl import RL_LEGACY_ALIASES, RL_LEGACY_SWITCHES, RLConfig
+
+CONFIG_CLASS = RLConfig
+
+
+def rewrite_rl_argv(argv: list[str], warn=lambda msg: print(msg, file=sys.stderr)) -> list[str]:
+    """OpenRLHF 0.9 flat names -> dotted ones (one deprecation line each)."""
+    from rlhforge.config.parsing import rewrite_aliases
+
+    out: list[str] = []
+    for token in argv:
+        if token in RL_LEGACY_SWITCHES:
+            warn(f"[rlhforge] {token} is deprecated; use {' '.join(RL_LEGACY_SWITCHES[token])}")
+            out.extend(RL_LEGACY_SWITCHES[token])
+        else:
+            out.append(token)
+    return rewrite_aliases(out, current={}, legacy=RL_LEGACY_ALIASES, warn=warn)
+
+
+def parse_rl_args(argv: list[str] | None = None, *, prog: str | None = None, validate: bool = True,
+                  warn=lambda msg: print(msg, file=sys.stderr)) -> RLConfig:
+    """defaults < ``--config`` YAML < flags; then (optionally) :func:`~rlhforge.config.rl.validate_rl`."""
+    import tyro
+
+    from rlhforge.config.parsing import _pop_config_path, load_yaml
+
+    argv = rewrite_rl_argv(list(sys.argv[1:] if argv is None else argv), warn=warn)
+    config_path = _pop_config_path(argv)
+    default = load_yaml(RLConfig, config_path) if config_path else RLConfig()
+    cfg = tyro.cli(RLConfig, args=argv, default=default, prog=prog, description=RLConfig.__doc__, use_underscores=True)
+    if validate:
+        cfg.validate()
+    return cfg
+
+
+def build_trainer(cfg: RLConfig):
+    """All components of a run, wired; returns the :class:`~rlhforge.trainers.rl.RLTrainer`."""
+    from rlhforge.config.batching import plan_rl_batches
+    from rlhforge.models.loading import load_tokenizer
+    from rlhforge.rewards.sources import build_reward_source
+    from rlhforge.rollout.hf_engine import HFEngine
+    from rlhforge.trainers.common import seed_everything
+    from rlhforge.trainers.rl import RLTrainer
+    from rlhforge.trainers.rl_data import load_prompts
+    from rlhforge.trainers.rl_workers import ActorWorker, CriticWorker, InProcessGroup, RefWorker
+    from rlhforge.tracking.metrics import MetricsLogger
+    from rlhforge.backend.device import dist_info
+
+    if dist_info().world_size > 1:
+        raise ConfigError("rlhforge rl runs all models in one process for now; launch it without torchrun/deepspeed "
+                          "(distributed RL with Ray workers is a later feature)")
+    seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
+    tokenizer = load_tokenizer(cfg.actor.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
+                               use_fast=not cfg.data.disable_fast_tokenizer)
+    prompts, eval_prompts = load_prompts(cfg, tokenizer)
+    if cfg.eval.dataset and not eval_prompts:
+        raise ConfigError(f"--eval.dataset {cfg.eval.dataset} has no prompts")
+    plan = plan_rl_batches(
+        rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
+        rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=1, num_prompts=len(prompts),
+        num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps,
+    )
+    actor_w = ActorWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps)
+    device = actor_w.device
+    actor = InProcessGroup(actor_w)
+    ref = InProcessGroup(RefWorker(cfg, tokenizer, device)) if cfg.uses_ref else None
+    critic = InProcessGroup(CriticWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps)) \
+        if cfg.uses_critic else None
+    reward_source = build_reward_source(cfg, device=device, pad_token_id=tokenizer.pad_token_id)
+    engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size)
+    out = Path(cfg.ckpt.output_dir)
+    save_yaml(cfg, out / "config.yaml")
+    print(f"[rlhforge] rl: {cfg.algo.advantage.estimator} / {cfg.actor.policy_loss_type}: {len(prompts)} prompts"
+          f"{f', {len(eval_prompts)} eval prompts' if eval_prompts else ''}; {plan.total_steps} steps of "
+          f"{cfg.rollout.batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, "
+          f"{plan.updates_per_step} optimizer steps each; models: actor{' + ref' if ref else ''}"
+          f"{' + critic' if critic else ''}; reward: {reward_source.name}; {type(actor_w.strategy).__name__} on {device}")
+    logger = MetricsLogger(out, cfg.logger, enabled=True, config=to_dict(cfg))
+    trainer = RLTrainer(cfg, tokenizer, prompts, eval_prompts, plan, actor=actor, ref=ref, critic=critic,
+                        engine=engine, reward_source=reward_source, logger=logger, run_dir=out)
+    return trainer
+
+
+def run(cfg: RLConfig) -> Path:
+    """Train and export; returns the output folder."""
+    trainer = build_trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.logger.close()
+    return Path(cfg.ckpt.output_dir)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_ppo_ray") -> int:
+    from rlhforge.cli.errors import user_errors
+    from rlhforge.rewards.base import RewardError
+
+    with user_errors(prog):
+        cfg = parse_rl_args(argv, prog=prog)
+        try:
+            run(cfg)
+        except RewardError as err:
+            print(f"{prog}: error: reward failed: {err}", file=sys.stderr)
+            raise SystemExit(3) from None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The reward sources: a Python ``reward_func`` file, built-in verifiers, an HTTP reward server, a
+reward model. :func:`build_reward_source` picks one from ``--reward.remote_url`` /
+``--reward.model_name_or_path``.
+
+``--reward.remote_url`` accepts (comma-separated lists are allowed for HTTP servers only):
+
+- ``path/to/file.py``: the file defines ``reward_func(queries, prompts, labels, **kwargs)``
+  (sync or ``async``) returning ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``
+  (OpenRLHF's contract). Keyword arguments it accepts among ``responses``, ``datasources``,
+  ``finish_reasons`` are passed too;
+- ``builtin:NAME`` (``builtin:arithmetic``, ``builtin:reverse``): the task's exact-answer check
+  (reward = score = 1.0 for a correct answer, else 0.0); ``builtin:auto`` picks the task from each
+  record's datasource;
+- ``http://host:port/path``: an HTTP reward server speaking OpenRLHF's JSON protocol
+  (``{"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+from pathlib import Path
+from typing import Any, Callable
+
+from rlhforge.rewards.base import RewardBatch, RewardError, RewardOutput
+
+__all__ = ["FunctionReward", "BuiltinReward", "RemoteReward", "RewardModelSource", "build_reward_source",
+           "load_reward_func"]
+
+_OPTIONAL_KWARGS = ("responses", "datasources", "finish_reasons")
+
+
+def load_reward_func(path: str | Path) -> Callable:
+    """``reward_func`` from a Python file; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--reward.remote_url {path}: file not found")
+    spec = importlib.util.spec_from_file_location(f"rlhforge_reward_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001
+        raise RewardError(f"importing {path} failed: {type(err).__name__}: {err}") from err
+    fn = getattr(module, "reward_func", None)
+    if not callable(fn):
+        raise RewardError(f"{path} defines no function reward_func(queries, prompts, labels, **kwargs)")
+    return fn
+
+
+class FunctionReward:
+    """A Python callable with OpenRLHF's signature (sync or async)."""
+
+    def __init__(self, fn: Callable, name: str):
+        self.fn, self.name = fn, name
+        sig = inspect.signature(fn)
+        takes_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        self._extra = [k for k in _OPTIONAL_KWARGS if takes_var_kw or k in sig.parameters]
+
+    @classmethod
+    def from_file(cls, path: str) -> "FunctionReward":
+        return cls(load_reward_func(path), f"reward_func in {path}")
+
+    async def __call__(self, batch: RewardBatch) -> Any:
+        kwargs = {k: getattr(batch, k) for k in self._extra}
+        result = self.fn(batch.queries, batch.prompts, batch.labels, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+
+class BuiltinReward:
+    """Exact-answer verifiers of :mod:`rlhforge.data.builtin` (``task=None``: route by datasource)."""
+
+    def __init__(self, task: str | None):
+        from rlhforge.data.builtin import BUILTIN_TASKS
+
+        if task is not None and task not in BUILTIN_TASKS:
+            raise RewardError(f"unknown built-in reward builtin:{task}; available: auto, {', '.join(sorted(BUILTIN_TASKS))}")
+        self.task = task
+        self.name = f"built-in reward builtin:{task or 'auto'}"
+
+    async def __call__(self, batch: RewardBatch) -> RewardOutput:
+        from rlhforge.data.builtin import check_answer
+
+        scores = []
+        for i, (response, label) in enumerate(zip(batch.responses, batch.labels)):
+            task = self.task or batch.datasources[i]
+            if task is None:
+                raise RewardError(f"{self.name}: sample {i} has no datasource to route by (set --data.datasource_key)")
+            if label is None:
+                raise RewardError(f"{self.name}: sample {i} has no label (set --data.label_key, e.g. answer)")
+            scores.append(float(check_answer(task, response, str(label))))
+        return RewardOutput(rewards=list(scores), scores=scores)
+
+
+class RemoteReward:
+    """An HTTP reward server (OpenRLHF's JSON protocol); several URLs share the batch round-robin."""
+
+    def __init__(self, urls: list[str], timeout: float = 300.0):
+        self.urls, self.timeout = urls, timeout
+        self.name = f"reward server {','.join(urls)}"
+
+    async def __call__(self, batch: RewardBatch) -> dict:
+        chunks = [list(range(i, len(batch), len(self.urls))) for i in range(len(self.urls))]
+        results = await asyncio.gather(*[self._post(url, batch, idx) for url, idx in zip(self.urls, chunks) if idx])
+        rewards = [0.0] * len(batch)
+        scores = [0.0] * len(batch)
+        extra: dict[str, list[float]] = {}
+        for idx, res in zip([c for c in chunks if c], results):
+            for j, i in enumerate(idx):
+                rewards[i] = res["rewards"][j]
+                scores[i] = (res.get("scores") or res["rewards"])[j]
+            for key, values in (res.get("extra_logs") or {}).items():
+                col = extra.setdefault(key, [0.0] * len(batch))
+                for j, i in enumerate(idx):
+                    col[i] = values[j] if isinstance(values, list) else values
+        return {"rewards": rewards, "scores": scores, "extra_logs": extra}
+
+    async def _post(self, url: str, batch: RewardBatch, idx: list[int]) -> dict:
+        payload = {"query": [batch.queries[i] for i in idx], "prompts": [batch.prompts[i] for i in idx],
+                   "labels": [batch.labels[i] for i in idx]}
+        post = _http_post()
+        res = await post(url, payload, self.timeout)
+        if not isinstance(res, dict) or "rewards" not in res:
+            raise RewardError(f"{url} answered {str(res)[:200]!r}; expected JSON with 'rewards'")
+        if len(res["rewards"]) != len(idx):
+            raise RewardError(f"{url} returned {len(res['rewards'])} rewards for {len(idx)} samples")
+        return res
+
+
+def _http_post():
+    """The async JSON POST used for reward servers: the project's reward client when present."""
+    try:
+        from rlhforge.rewards import client as reward_client  # the reward-server engineer's client
+
+        post = getattr(reward_client, "post_json", None)
+        if post is not None:
+            return post
+    except ImportError:
+        pass
+
+    async def post(url: str, payload: dict, timeout: float) -> dict:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            response = await client.post(url, json=payload)
+            response.raise_for_status()
+            return response.json()
+
+    return post
+
+
+class RewardModelSource:
+    """A reward model scoring the token ids directly (no re-tokenisation), optionally normalised."""
+
+    def __init__(self, path: str, model_cfg, ds_cfg, device, *, pad_token_id: int, normalize: bool,
+                 micro_batch_size: int = 8, value_head_prefix: str = "score"):
+        from rlhforge.models.reward import load_reward_model, reward_stats
+
+        self.name = f"reward model {path}"
+        self.model = load_reward_model(path, model_cfg, ds_cfg, device, pad_token_id=pad_token_id,
+                                       value_head_prefix=value_head_prefix).eval()
+        self.prefix, self.pad, self.device = value_head_prefix, pad_token_id, device
+        self.micro_batch_size = micro_batch_size
+        self.stats = reward_stats(self.model.config) if normalize else None
+        if normalize and self.stats is None:
+            raise RewardError(f"--reward.normalize_enable: {path} has no reward_mean/reward_std in its config.json")
+
+    async def __call__(self, batch: RewardBatch) -> RewardOutput:
+        import torch
+
+        from rlhforge.data.packing import collate_padded
+        from rlhforge.models.reward import sequence_rewards
+
+        seqs = [list(p) + list(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        out: list[float] = []
+        with torch.no_grad():
+            for s in range(0, len(seqs), self.micro_batch_size):
+                chunk = [{"input_ids": q, "loss_mask": [0] * len(q)} for q in seqs[s : s + self.micro_batch_size]]
+                b = {k: v.to(self.device) for k, v in collate_padded(chunk, self.pad).items()}
+                out.extend(sequence_rewards(self.model, b, self.prefix).float().cpu().tolist())
+        if self.stats is not None:
+            mean, std = self.stats
+            out = [(r - mean) / max(std, 1e-8) for r in out]
+        return RewardOutput(rewards=out, scores=list(out))
+
+
+def build_reward_source(cfg, *, device=None, pad_token_id: int | None = None):
+    """The reward source that ``cfg`` (an :class:`~rlhforge.config.rl.RLConfig`) asks for."""
+    url = cfg.reward.remote_url
+    if url:
+        if url.startswith("builtin:"):
+            task = url.split(":", 1)[1]
+            return BuiltinReward(None if task in ("", "auto") else task)
+        if url.endswith(".py"):
+            return FunctionReward.from_file(url)
+        if url.startswith(("http://", "https://")):
+            return RemoteReward([u.strip() for u in url.split(",") if u.strip()])
+        raise RewardError(
+            f"--reward.remote_url {url!r}: expected a .py file with reward_func, an http(s):// URL or builtin:NAME"
+        )
+    import dataclasses
+
+    from rlhforge.config.components import LoraConfig, ModelConfig
+
+    ds = dataclasses.replace(cfg.ds, lora=LoraConfig(), load_in_4bit=False)  # the reward model is not trained
+    model_cfg = ModelConfig(model_name_or_path=cfg.reward.model_name_or_path, trust_remote_code=cfg.actor.trust_remote_code)
+    return RewardModelSource(cfg.reward.model_name_or_path, model_cfg, ds, device, pad_token_id=pad_token_id,
+                             normalize=cfg.reward.normalize_enable, micro_batch_size=cfg.rollout.micro_batch_size,
+                             value_head_prefix=cfg.ds.value_head_prefix)

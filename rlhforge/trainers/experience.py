@@ -1,0 +1,104 @@
+"""The experience batch: trajectories -> per-token training tensors.
+
+Per sample (:class:`ExperienceSample`), every per-token field is a 1-D float tensor as long as the
+sample's ``input_ids``; position ``t`` belongs to token ``t`` (the same convention as
+:func:`rlhforge.models.forward.token_logprobs`: ``logprob[t] = log p(token_t | tokens < t)``), and
+only positions with ``action_mask[t] = 1`` (tokens the model generated) carry meaning.
+
+A micro-batch (:func:`collate_experience`) is a dict of tensors, padded or packed:
+
+=================  ==============  ======================================================
+``input_ids``      [B, T] / [1, N]  int64; right-padded, or all samples in one packed row
+``attention_mask`` [B, T]           padded layout only (packed rows have ``position_ids`` resets)
+``position_ids``   [B, T] / [1, N]
+``loss_mask``      [B, T] / [1, N]  float: the action mask (1 on generated tokens)
+``old_logprobs``   same             actor log-probs at experience time (pi_old of the PPO ratio)
+``rollout_logprobs`` same           the engine's sampling log-probs
+``ref_logprobs``   same             reference-policy log-probs (zeros without a reference)
+``values``         same             critic values V(s_t) of the state before token t (zeros without a critic)
+``advantages``     same             per-token advantages
+``returns``        same             per-token returns (critic targets)
+``is_weights``     same             rollout-vs-trainer importance weights (ones when off)
+``seq_lens``       list[int]        packed layout only
+=================  ==============  ======================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from rlhforge.agents.types import Trajectory
+
+__all__ = ["ExperienceSample", "TOKEN_FIELDS", "samples_from_trajectories", "collate_experience", "pad_rows",
+           "unpad_rows"]
+
+TOKEN_FIELDS = ("old_logprobs", "rollout_logprobs", "ref_logprobs", "values", "advantages", "returns", "is_weights")
+
+
+@dataclass
+class ExperienceSample:
+    input_ids: list[int]
+    loss_mask: list[int]
+    """The action mask."""
+    reward: float
+    """Shaped scalar reward."""
+    score: float
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def samples_from_trajectories(trajs: Sequence[Trajectory], rewards: Sequence[float]) -> list[ExperienceSample]:
+    out = []
+    for t, r in zip(trajs, rewards):
+        mask = t.action_mask()
+        rollout = torch.zeros(len(t.token_ids))
+        positions = [i for i, m in enumerate(mask) if m]
+        if len(positions) != len(t.rollout_logprobs):
+            raise ValueError(f"trajectory has {len(positions)} action tokens but {len(t.rollout_logprobs)} log-probs")
+        if positions:
+            rollout[positions] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
+        s = ExperienceSample(list(t.token_ids), mask, float(r), float(t.score if t.score is not None else r))
+        s.tensors["rollout_logprobs"] = rollout
+        out.append(s)
+    return out
+
+
+def pad_rows(rows: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """1-D tensors -> right-padded [B, T] (zeros)."""
+    width = width or max(len(r) for r in rows)
+    out = torch.zeros((len(rows), width), dtype=rows[0].dtype if rows else torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def unpad_rows(x: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    return [x[i, :n].clone() for i, n in enumerate(lengths)]
+
+
+def collate_experience(samples: Sequence[ExperienceSample], pad_id: int, packed: bool,
+                       fields: Sequence[str] = TOKEN_FIELDS) -> dict:
+    """A micro-batch (layout in the module docstring). Missing per-token fields become zeros
+    (``is_weights``: ones)."""
+    from rlhforge.data.packing import collate_packed, collate_padded
+
+    items = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in samples]
+    batch = collate_packed(items) if packed else collate_padded(items, pad_id)
+    for name in fields:
+        default = torch.ones if name == "is_weights" else torch.zeros
+        rows = [s.tensors.get(name) if s.tensors.get(name) is not None else default(len(s)) for s in samples]
+        if packed:
+            batch[name] = torch.cat(rows)[None, :]
+        else:
+            batch[name] = pad_rows(rows, batch["input_ids"].shape[1])
+    return batch
+
+
+def split_packed(x: torch.Tensor, seq_lens: Sequence[int]) -> list[torch.Tensor]:
+    """[1, N] packed per-token values -> one 1-D tensor per sample."""
+    return list(torch.split(x[0], list(seq_lens)))

@@ -1,0 +1,466 @@
+"""RL training of the PPO family: one loop, top to bottom.
+
+    generate -> score -> reference/old log-probs and values -> advantages
+             -> policy (and critic) update -> sync weights -> log -> eval -> checkpoint
+
+The algorithm is a choice, not a separate trainer: ``--algo.advantage.estimator`` (gae with a
+critic; reinforce, reinforce_baseline, rloo, group_norm = GRPO, dr_grpo, flash_reinforce without
+one) and ``--actor.policy_loss_type`` (ppo, gspo). Per-model work lives in worker groups
+(:mod:`rlhforge.trainers.rl_workers`); generation behind a ``GenerationEngine``; rollouts come from
+an agent executor as token-level :class:`~rlhforge.agents.types.Trajectory` objects.
+
+One RL *step* = one rollout of ``rollout.batch_size`` prompts x ``n_samples_per_prompt`` samples,
+then ``train.max_epochs`` passes over it in optimizer steps of ``train.batch_size`` samples.
+Losses are normalised by global counts over each whole optimizer step (``algorithms.aggregation``).
+Every request is sampled with its own seed derived from ``train.seed`` and the prompt's position
+in the prompt stream, so a resumed run reproduces the straight run exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhforge.agents.single_turn import PromptRequest, SingleTurnExecutor
+from rlhforge.algorithms import (
+    compute_advantages,
+    compute_kl,
+    dynamic_filter,
+    is_correction,
+    make_kl_controller,
+    overlong_penalty,
+    stop_properly_penalty,
+)
+from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhforge.backend.device import peak_memory_bytes
+from rlhforge.config.batching import RLBatchPlan
+from rlhforge.rollout.engine import SamplingParams
+from rlhforge.trainers.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
+from rlhforge.trainers.rl_data import PromptStream
+from rlhforge.trainers.rl_workers import PolicyLossSpec
+from rlhforge.tracking.progress import Progress, progress_enabled
+
+__all__ = ["RLTrainer", "RLState", "request_seed"]
+
+_SEED_MOD = 2**62
+
+
+def request_seed(base: int, stream_position: int, sample_index: int, salt: int = 0) -> int:
+    """Sampling seed of one request: a pure function of the run seed, the prompt's position in the
+    prompt stream and the sample index (so resume and batch composition do not change it)."""
+    return ((base * 1_000_003 + salt) * 2_654_435_761 + stream_position * 7919 + sample_index) % _SEED_MOD
+
+
+@dataclass
+class RLState:
+    global_step: int = 0
+    prompt_position: int = 0
+    kl_controller: dict = field(default_factory=dict)
+    best_metric: float | None = None
+    best_step: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"global_step": self.global_step, "prompt_position": self.prompt_position,
+                "kl_controller": self.kl_controller, "best_metric": self.best_metric, "best_step": self.best_step}
+
+
+class _CheckpointStrategies:
+    """Adapter so ``backend.checkpoint`` saves actor and critic state into one step folder."""
+
+    def __init__(self, actor, critic=None):
+        self.actor, self.critic = actor, critic
+        self.rank, self.is_rank0 = actor.rank, actor.is_rank0
+
+    def barrier(self):
+        self.actor.barrier()
+
+    def save_state(self, directory: Path) -> None:
+        self.actor.save_state(directory)
+        if self.critic is not None:
+            sub = Path(directory) / "critic"
+            sub.mkdir(exist_ok=True)
+            self.critic.save_state(sub)
+
+    def load_state(self, directory: Path) -> None:
+        self.actor.load_state(directory)
+        if self.critic is not None:
+            self.critic.load_state(Path(directory) / "critic")
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def _std(xs) -> float:
+    xs = list(xs)
+    if len(xs) < 2:
+        return 0.0
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+class RLTrainer:
+    def __init__(self, cfg, tokenizer, prompts, eval_prompts, plan: RLBatchPlan, *, actor, ref, critic, engine,
+                 reward_source, logger, run_dir: Path):
+        self.cfg, self.tokenizer, self.plan = cfg, tokenizer, plan
+        self.prompts, self.eval_prompts = prompts, eval_prompts
+        self.actor, self.ref, self.critic = actor, ref, critic  # worker groups (critic/ref may be None)
+        self.engine, self.logger, self.run_dir = engine, logger, Path(run_dir)
+        self.executor = SingleTurnExecutor(tokenizer, reward_source)
+        self.state = RLState()
+        kl = cfg.algo.kl
+        self.kl_ctl = make_kl_controller(kl.init_coef, kl.target, kl.horizon)
+        self.stream = PromptStream(len(prompts), cfg.train.seed)
+        self.max_new_tokens = cfg.rollout.max_new_tokens or max(1, cfg.data.max_len - max(len(p.ids) for p in prompts))
+        self.loss_spec = self._loss_spec()
+        self._loop = asyncio.new_event_loop()
+
+    # ------------------------------------------------------------------------------------ setup
+    def _loss_spec(self) -> PolicyLossSpec:
+        cfg = self.cfg
+        a = cfg.actor
+        est = cfg.algo.advantage.estimator
+        low, high = a.eps_clip_low_high if a.eps_clip_low_high is not None else (a.eps_clip, a.eps_clip)
+        agg = a.loss_agg_mode.replace("-", "_")
+        norm = None
+        if est == "flash_reinforce":
+            loss_type, kwargs, agg = "flash_reinforce", {}, "seq_mean_token_mean"
+        else:
+            loss_type = a.policy_loss_type
+            kwargs = {"eps_low": low, "eps_high": high, "dual_clip": a.dual_clip}
+            if loss_type == "gspo":
+                agg = "seq_mean_token_mean"
+            elif est == "dr_grpo":
+                agg, norm = "seq_mean_token_sum_norm", float(self.max_new_tokens)
+        return PolicyLossSpec(
+            loss_type=loss_type, loss_kwargs=kwargs, agg_mode=agg, norm_constant=norm,
+            temperature=cfg.rollout.temperature, entropy_coef=a.entropy_coef or 0.0,
+            kl_loss_coef=cfg.algo.kl.init_coef if (cfg.algo.kl.use_loss and self.ref is not None) else 0.0,
+            kl_estimator=cfg.algo.kl.estimator, use_rollout_logprobs_as_old=est == "flash_reinforce",
+        )
+
+    def _run(self, coro):
+        return self._loop.run_until_complete(coro)
+
+    # ------------------------------------------------------------------------------------ the loop
+    def fit(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        self._maybe_resume()
+        self.sync_weights()
+        bar = Progress(plan.total_steps, self.state.global_step,
+                       enabled=progress_enabled(cfg.logger.progress_bar, True), desc="rl")
+        if cfg.eval.steps > 0 and self.eval_prompts and self.state.global_step == 0:
+            self.logger.log(0, self.evaluate())
+        while self.state.global_step < plan.total_steps:
+            metrics = self.step()
+            step = self.state.global_step
+            if cfg.eval.steps > 0 and self.eval_prompts and (step % cfg.eval.steps == 0 or step == plan.total_steps):
+                t = time.perf_counter()
+                metrics.update(self.evaluate())
+                metrics["timing/eval"] = time.perf_counter() - t
+                self._update_best(metrics)
+            if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
+                metrics["perf/peak_memory_gb"] = peak_memory_bytes(self.actor.local.device) / 2**30
+                self.logger.log(step, metrics)
+            bar.update(1, reward=round(metrics["rollout/reward_mean"], 3))
+            if (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps
+                    and not cfg.ckpt.disable_ds):
+                self.save_checkpoint()
+        bar.close()
+        if not cfg.ckpt.disable_ds and cfg.ckpt.save_steps > 0:
+            self.save_checkpoint()
+        self.actor.local.save_hf(cfg.ckpt.output_dir)
+        if self.critic is not None and cfg.critic.save_value_network:
+            self.critic.local.save_hf(Path(cfg.ckpt.output_dir) / "critic")
+
+    def step(self) -> dict[str, float]:
+        """One RL step; returns its metrics."""
+        t0 = time.perf_counter()
+        trajs, metrics = self.rollout()
+        t1 = time.perf_counter()
+        samples, exp_metrics = self.make_experience(trajs)
+        metrics.update(exp_metrics)
+        t2 = time.perf_counter()
+        metrics.update(self.train(samples))
+        t3 = time.perf_counter()
+        self.sync_weights()
+        t4 = time.perf_counter()
+        self.state.global_step += 1
+        tokens = sum(len(s) for s in samples)
+        metrics.update({
+            "timing/generation": t1 - t0, "timing/experience": t2 - t1, "timing/training": t3 - t2,
+            "timing/weight_sync": t4 - t3, "timing/step": t4 - t0,
+            "perf/tokens_per_s": tokens / max(t4 - t0, 1e-9), "perf/samples_per_s": len(samples) / max(t4 - t0, 1e-9),
+            "rollout/kl_coef": self.kl_ctl.value,
+        })
+        if self.state.global_step % self.cfg.logger.logging_steps == 0:
+            self._write_samples(trajs[: min(len(trajs), 8)])
+        return metrics
+
+    # ------------------------------------------------------------------------------------ generate + score
+    def _requests(self, prompt_idx: list[int], positions: list[int], n: int, temperature: float, max_new: int,
+                  salt: int, prompts=None) -> tuple[list[PromptRequest], list[SamplingParams]]:
+        cfg = self.cfg
+        prompts = self.prompts if prompts is None else prompts
+        reqs, params = [], []
+        for i, pos in zip(prompt_idx, positions):
+            p = prompts[i]
+            for j in range(n):
+                reqs.append(PromptRequest(p.ids, p.label, p.datasource, p.index, j))
+                params.append(SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=cfg.rollout.top_p,
+                                             top_k=cfg.rollout.top_k, seed=request_seed(cfg.train.seed, pos, j, salt)))
+        return reqs, params
+
+    def rollout(self):
+        """Generate and score ``rollout.batch_size`` prompt groups (refilling past dynamic filtering)."""
+        cfg = self.cfg
+        n, need = cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size
+        kept: list = []
+        generated_groups = passed_groups = rounds = 0
+        all_trajs: list = []
+        self.engine.wake_up()
+        while len(kept) < need and rounds <= cfg.algo.max_filter_refills:
+            start = self.stream.position
+            idx = self.stream.take(need - len(kept))
+            self.state.prompt_position = self.stream.position
+            reqs, params = self._requests(idx, list(range(start, start + len(idx))), n, cfg.rollout.temperature,
+                                          self.max_new_tokens, salt=0)
+            trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
+            all_trajs.extend(trajs)
+            groups = [trajs[g * n : (g + 1) * n] for g in range(len(idx))]
+            generated_groups += len(groups)
+            if cfg.algo.dynamic_filtering_enable:
+                lo, hi = cfg.algo.dynamic_filtering_range
+                keep = dynamic_filter(torch.tensor([t.score for t in trajs]), n, lo, hi).tolist()
+                groups = [g for g, k in zip(groups, keep) if k]
+            passed_groups += len(groups)
+            kept.extend(groups)
+            rounds += 1
+            if not cfg.algo.dynamic_filtering_enable:
+                break
+        self.engine.sleep()
+        kept = kept[:need]
+        if not kept:
+            raise RuntimeError(
+                f"dynamic filtering kept no prompt group in {rounds} rounds ({generated_groups} groups): every group's "
+                f"mean score is outside {cfg.algo.dynamic_filtering_range}; raise algo.max_filter_refills or disable it"
+            )
+        trajs = [t for g in kept for t in g]
+        rewards = [t.reward for t in all_trajs]
+        scores = [t.score for t in all_trajs]
+        metrics = {
+            "rollout/reward_mean": _mean(rewards), "rollout/reward_std": _std(rewards),
+            "rollout/score_mean": _mean(scores),
+            "rollout/response_length": _mean(t.response_length for t in all_trajs),
+            "rollout/response_length_max": float(max(t.response_length for t in all_trajs)),
+            "rollout/truncated_frac": _mean(float(t.truncated) for t in all_trajs),
+            "rollout/filter_pass_rate": passed_groups / max(generated_groups, 1),
+            "rollout/generation_rounds": float(rounds),
+            "rollout/samples": float(len(trajs)),
+        }
+        if n > 1:
+            metrics["rollout/group_reward_std"] = _mean(
+                _std(t.reward for t in all_trajs[g * n : (g + 1) * n]) for g in range(len(all_trajs) // n))
+        for key in sorted({k for t in all_trajs for k in t.extra}):
+            metrics[f"rollout/{key}"] = _mean(t.extra[key] for t in all_trajs if key in t.extra)
+        self._last_trajs = trajs
+        return trajs, metrics
+
+    # ------------------------------------------------------------------------------------ experience
+    def shaped_rewards(self, trajs) -> torch.Tensor:
+        cfg = self.cfg.reward
+        r = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        if cfg.overlong_buffer_len is not None:
+            lengths = torch.tensor([t.response_length for t in trajs])
+            r = r + overlong_penalty(lengths, self.max_new_tokens, int(cfg.overlong_buffer_len),
+                                     cfg.overlong_penalty_factor)
+        if cfg.stop_properly_penalty_coef is not None:
+            r = stop_properly_penalty(r, torch.tensor([t.truncated for t in trajs]), cfg.stop_properly_penalty_coef)
+        return r
+
+    @torch.no_grad()
+    def make_experience(self, trajs) -> tuple[list[ExperienceSample], dict[str, float]]:
+        cfg = self.cfg
+        rewards = self.shaped_rewards(trajs)
+        samples = samples_from_trajectories(trajs, rewards.tolist())
+        mb, temp = cfg.rollout.micro_batch_size, cfg.rollout.temperature
+        old = self.actor.call("logprobs", samples, mb, temp)[0]
+        for s, lp in zip(samples, old):
+            s.tensors["old_logprobs"] = lp
+        if self.ref is not None:
+            for s, lp in zip(samples, self.ref.call("logprobs", samples, mb, temp)[0]):
+                s.tensors["ref_logprobs"] = lp
+        if self.critic is not None:
+            for s, v in zip(samples, self.critic.call("values", samples, mb)[0]):
+                s.tensors["values"] = v
+        lengths = [len(s) for s in samples]
+        mask = pad_rows([torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples])
+        old_lp = pad_rows([s.tensors["old_logprobs"] for s in samples])
+        roll_lp = pad_rows([s.tensors["rollout_logprobs"] for s in samples])
+        metrics: dict[str, float] = {}
+        kl = None
+        if self.ref is not None:
+            ref_lp = pad_rows([s.tensors["ref_logprobs"] for s in samples])
+            kl = compute_kl(old_lp, ref_lp, mask, cfg.algo.kl.estimator)
+            per_seq_kl = (kl * mask).sum(1) / mask.sum(1).clamp_min(1)
+            metrics["actor/kl_ref"] = float(per_seq_kl.mean())
+            self.kl_ctl.update(float(per_seq_kl.mean()), len(samples))
+        adv_cfg = cfg.algo.advantage
+        est = adv_cfg.estimator
+        if est == "group_norm" and adv_cfg.no_std_norm:
+            est = "dr_grpo"  # OpenRLHF's --no_advantage_std_norm with GRPO: mean-centred only
+        values = pad_rows([s.tensors["values"] for s in samples]) if self.critic is not None else None
+        use_penalty = kl is not None and not cfg.algo.kl.use_loss
+        adv, ret = compute_advantages(
+            est, rewards, mask, values=values, kl=kl if use_penalty else None,
+            kl_coef=self.kl_ctl.value if use_penalty else 0.0,
+            reward_clip=tuple(cfg.reward.clip_range) if cfg.reward.clip_range is not None else None,
+            n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, gamma=adv_cfg.gamma, lam=adv_cfg.lambd,
+            whiten_std=not adv_cfg.no_std_norm,
+        )
+        for s, a, r in zip(samples, unpad_rows(adv, lengths), unpad_rows(ret, lengths)):
+            s.tensors["advantages"], s.tensors["returns"] = a, r
+        if adv_cfg.is_correction_level != "off":
+            th = adv_cfg.is_correction_threshold
+            low, high = (None, th[0]) if len(th) == 1 else (th[0], th[1])
+            w, _, is_metrics = is_correction(old_lp, roll_lp, mask, level=adv_cfg.is_correction_level,
+                                             mode=adv_cfg.is_correction_mode, gating=adv_cfg.is_correction_gating,
+                                             low=low, high=high)
+            for s, wi in zip(samples, unpad_rows(w, lengths)):
+                s.tensors["is_weights"] = wi
+            metrics.update({f"rollout/is_{k}": float(v) for k, v in is_metrics.items()})
+        m = mask.bool()
+        metrics["rollout/shaped_reward_mean"] = float(rewards.mean())
+        metrics["rollout/advantage_mean"] = float(adv[m].mean()) if m.any() else 0.0
+        metrics["rollout/advantage_std"] = float(adv[m].std()) if m.sum() > 1 else 0.0
+        if m.any():
+            metrics["rollout/logprob_diff_rollout_vs_train"] = float((roll_lp - old_lp)[m].abs().mean())
+        if values is not None:
+            metrics["critic/values_before"] = float(values[m].mean()) if m.any() else 0.0
+            metrics["critic/returns_mean"] = float(ret[m].mean()) if m.any() else 0.0
+        return samples, metrics
+
+    # ------------------------------------------------------------------------------------ update
+    def train(self, samples: list[ExperienceSample]) -> dict[str, float]:
+        cfg = self.cfg
+        bs = cfg.train.batch_size
+        actor_frozen = self.critic is not None and self.state.global_step < cfg.critic.freezing_steps
+        sums: dict[str, list[float]] = {}
+        for epoch in range(cfg.train.max_epochs):
+            g = torch.Generator().manual_seed(request_seed(cfg.train.seed, self.state.global_step, epoch, salt=99))
+            order = torch.randperm(len(samples), generator=g).tolist()
+            for start in range(0, len(order), bs):
+                chunk = [samples[i] for i in order[start : start + bs]]
+                if self.critic is not None:
+                    for k, v in self.critic.call("train_step", chunk, cfg.critic.value_clip)[0].items():
+                        sums.setdefault(f"critic/{k}", []).append(v)
+                if not actor_frozen:
+                    for k, v in self.actor.call("train_step", chunk, self.loss_spec)[0].items():
+                        sums.setdefault(f"actor/{k}", []).append(v)
+        out = {k: _mean(v) for k, v in sums.items()}
+        out["actor/frozen"] = float(actor_frozen)
+        return out
+
+    def sync_weights(self) -> None:
+        state = self.actor.call("full_state_dict")[0]
+        self.engine.update_weights(state)
+
+    # ------------------------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        cfg = self.cfg
+        n = cfg.eval.n_samples_per_prompt
+        max_new = cfg.eval.max_new_tokens or self.max_new_tokens
+        idx = list(range(len(self.eval_prompts)))
+        reqs, params = self._requests(idx, idx, n, cfg.eval.temperature, max_new, salt=7, prompts=self.eval_prompts)
+        self.engine.wake_up()
+        trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
+        self.engine.sleep()
+        by_source: dict[str, list[list]] = {}
+        for g in range(len(idx)):
+            group = trajs[g * n : (g + 1) * n]
+            by_source.setdefault(group[0].datasource or "all", []).append(group)
+        out: dict[str, float] = {}
+        all_groups = [grp for groups in by_source.values() for grp in groups]
+
+        def summarise(prefix: str, groups) -> None:
+            flat = [t for grp in groups for t in grp]
+            out[f"{prefix}pass1"] = _mean(t.score for t in flat)
+            out[f"{prefix}pass{n}"] = _mean(max(t.score for t in grp) for grp in groups)
+            out[f"{prefix}reward_mean"] = _mean(t.reward for t in flat)
+            out[f"{prefix}response_length"] = _mean(t.response_length for t in flat)
+            out[f"{prefix}truncated_frac"] = _mean(float(t.truncated) for t in flat)
+
+        summarise("eval/", all_groups)
+        if len(by_source) > 1 or "all" not in by_source:
+            for source, groups in sorted(by_source.items()):
+                summarise(f"eval/{source}/", groups)
+        return out
+
+    def _update_best(self, metrics: dict[str, float]) -> None:
+        key = self.cfg.ckpt.best_metric_key or "eval/pass1"
+        if key == "none" or key not in metrics:
+            return
+        value = float(metrics[key])
+        if self.state.best_metric is None or value > self.state.best_metric:
+            self.state.best_metric, self.state.best_step = value, self.state.global_step
+            metrics["eval/best"] = value
+            if not self.cfg.ckpt.disable_ds and self.cfg.ckpt.save_steps > 0:
+                self.save_checkpoint()
+
+    # ------------------------------------------------------------------------------------ samples table
+    def _write_samples(self, trajs) -> None:
+        path = self.run_dir / "samples.jsonl"
+        tok = self.tokenizer
+        with open(path, "a") as f:
+            for t in trajs:
+                f.write(json.dumps({
+                    "step": self.state.global_step,
+                    "prompt": tok.decode(t.prompt_ids, skip_special_tokens=False),
+                    "response": tok.decode(t.response_ids, skip_special_tokens=False),
+                    "label": t.label if isinstance(t.label, (str, int, float, type(None))) else str(t.label),
+                    "reward": t.reward, "score": t.score, "finish_reason": t.finish_reason,
+                }) + "\n")
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def _ckpt_strategies(self) -> _CheckpointStrategies:
+        critic = self.critic.local.strategy if self.critic is not None else None
+        return _CheckpointStrategies(self.actor.local.strategy, critic)
+
+    def save_checkpoint(self) -> Path:
+        cfg = self.cfg
+        self.state.kl_controller = self.kl_ctl.state_dict()
+        self.state.prompt_position = self.stream.position
+        protected = (f"step_{self.state.best_step}",) if self.state.best_step is not None else ()
+        export = (lambda d: self.actor.local.save_hf(d)) if cfg.ckpt.save_hf else None
+        path = save_checkpoint(self._ckpt_strategies(), cfg.ckpt.path, self.state.global_step, self.state.as_dict(),
+                               max_num=cfg.ckpt.max_num, protected=protected, export_hf=export)
+        if self.state.best_step is not None:
+            (Path(cfg.ckpt.path) / "best").write_text(json.dumps(
+                {"checkpoint": f"step_{self.state.best_step}", "metric": cfg.ckpt.best_metric_key or "eval/pass1",
+                 "value": self.state.best_metric}))
+        return path
+
+    def _maybe_resume(self) -> None:
+        if not self.cfg.ckpt.load_enable:
+            return
+        path = latest_checkpoint(self.cfg.ckpt.path)
+        if path is None:
+            return
+        state = load_checkpoint(self._ckpt_strategies(), path)
+        self.state = RLState(global_step=int(state["global_step"]), prompt_position=int(state["prompt_position"]),
+                             kl_controller=state.get("kl_controller") or {}, best_metric=state.get("best_metric"),
+                             best_step=state.get("best_step"))
+        if self.state.kl_controller:
+            self.kl_ctl.load_state_dict(self.state.kl_controller)
+        self.stream.position = self.state.prompt_position
+        self.logger.truncate_after(self.state.global_step)
+        print(f"[rlhforge] resumed from {path} at step {self.state.global_step}")

@@ -1,0 +1,88 @@
+"""RL prompt data: records -> token ids + label + datasource, and a resumable prompt stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhforge.data.errors import DataError
+
+__all__ = ["Prompt", "load_prompts", "PromptStream"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    label: Any
+    datasource: str | None
+    index: int
+    """Position in the loaded prompt list (stable across resumes)."""
+
+
+def _to_prompts(dataset, tokenizer, data_cfg, prompt_max_len: int, what: str) -> list[Prompt]:
+    from rlhforge.data.records import get_field, record_ref
+    from rlhforge.data.templates import encode_prompt, format_prompt
+
+    prompts, skipped = [], 0
+    for pos, record in enumerate(dataset):
+        ref = record_ref(record, pos)
+        raw = get_field(record, data_cfg.input_key, ref)
+        if isinstance(raw, str) and not raw.strip():
+            raise ref.error("is an empty prompt", field=data_cfg.input_key)
+        try:
+            text = format_prompt(tokenizer, raw, input_template=data_cfg.input_template,
+                                 apply_chat_template=data_cfg.apply_chat_template)
+        except ValueError as err:
+            raise ref.error(str(err), field=data_cfg.input_key) from None
+        ids = encode_prompt(tokenizer, text, chat=data_cfg.apply_chat_template)
+        if len(ids) > prompt_max_len:
+            skipped += 1
+            continue
+        label = get_field(record, data_cfg.label_key, ref) if data_cfg.label_key else None
+        source = record.get(data_cfg.datasource_key)
+        prompts.append(Prompt(ids, label, None if source is None else str(source), len(prompts)))
+    if skipped:
+        print(f"[rlhforge] {what}: skipped {skipped} prompts longer than {prompt_max_len} tokens (--data.prompt_max_len)")
+    if not prompts:
+        raise DataError(f"{what}: no usable prompts (all {skipped} are longer than {prompt_max_len} tokens?)")
+    return prompts
+
+
+def load_prompts(cfg, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+    """Training and eval prompts of an :class:`~rlhforge.config.rl.RLConfig`."""
+    from rlhforge.data.loading import load_dataset_spec
+
+    d = cfg.data
+    prompt_max_len = d.prompt_max_len or d.max_len - 1
+    train = load_dataset_spec(d.prompt_dataset, d.prompt_probs, d.prompt_split, d.max_samples, seed=cfg.train.seed)
+    train_prompts = _to_prompts(train, tokenizer, d, prompt_max_len, "prompts")
+    eval_prompts: list[Prompt] = []
+    if cfg.eval.dataset:
+        evals = load_dataset_spec(cfg.eval.dataset, None, cfg.eval.split, cfg.eval.max_samples, seed=cfg.train.seed)
+        eval_prompts = _to_prompts(evals, tokenizer, d, prompt_max_len, "eval prompts")
+    return train_prompts, eval_prompts
+
+
+class PromptStream:
+    """Endless, deterministic prompt order: one seeded shuffle per episode; ``position`` counts the
+    prompts handed out so far (saved in checkpoints, so a resumed run continues the same order)."""
+
+    def __init__(self, num_prompts: int, seed: int, position: int = 0):
+        self.num_prompts, self.seed, self.position = num_prompts, seed, position
+        self._episode, self._order = -1, []
+
+    def _order_of(self, episode: int) -> list[int]:
+        if episode != self._episode:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + episode)
+            self._order, self._episode = torch.randperm(self.num_prompts, generator=g).tolist(), episode
+        return self._order
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            episode, offset = divmod(self.position, self.num_prompts)
+            out.append(self._order_of(episode)[offset])
+            self.position += 1
+        return out

@@ -1,0 +1,286 @@
+"""Per-model work of the RL loop behind a small worker-group seam.
+
+The loop never touches a model directly; it calls methods on groups::
+
+    actor.call("logprobs", samples)         -> one result per worker
+    actor.call("train_step", shard, ...)    -> metrics per worker
+
+:class:`InProcessGroup` runs one worker in this process (the CPU / single-GPU path); a Ray group
+with the same ``call`` will shard the samples over actors in the distributed issue. Workers:
+
+- :class:`ActorWorker`: the policy (strategy, optimizer, scheduler); log-probs, PPO/GSPO updates,
+  full state dict for weight sync and export.
+- :class:`RefWorker`: a frozen copy of the initial policy; log-probs.
+- :class:`CriticWorker`: a value model (sequence classifier with one label, read per token);
+  values and clipped value-loss updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from rlhforge.algorithms import (
+    aggregate_loss,
+    entropy_bonus,
+    entropy_from_logits,
+    get_policy_loss,
+    kl_loss,
+    value_loss,
+)
+from rlhforge.config.batching import BatchPlan
+from rlhforge.models.forward import is_packed, token_logprobs
+from rlhforge.trainers.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
+
+__all__ = ["InProcessGroup", "ActorWorker", "RefWorker", "CriticWorker", "token_values", "PolicyLossSpec"]
+
+
+class InProcessGroup:
+    """A worker group of one in-process worker: ``call`` returns ``[result]``."""
+
+    def __init__(self, worker):
+        self.workers = [worker]
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+
+    @property
+    def local(self):
+        """The worker living in this process (in-process groups only)."""
+        return self.workers[0]
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _per_sample(x: torch.Tensor, batch: dict, samples: Sequence[ExperienceSample]) -> list[torch.Tensor]:
+    x = x.detach().float().cpu()
+    if is_packed(batch):
+        return [t.clone() for t in split_packed(x, batch["seq_lens"])]
+    return unpad_rows(x, [len(s) for s in samples])
+
+
+def _chunks(items: Sequence, size: int) -> list[list]:
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def shifted_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, T] entropy of the distribution that predicted token t (0 at t = 0)."""
+    ent = entropy_from_logits(logits[:, :-1], temperature=temperature)
+    return torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+
+
+def _train_cfg_for(cfg) -> Any:
+    return cfg.train
+
+
+def _plan(micro_batch_size: int, grad_accum: int, total: int) -> BatchPlan:
+    return BatchPlan(batch_size=micro_batch_size * grad_accum, world_size=1, micro_batch_size=micro_batch_size,
+                     per_rank_batch=micro_batch_size * grad_accum, grad_accum_steps=grad_accum, steps_per_epoch=total,
+                     total_steps=total)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSpec:
+    """Everything the actor update needs besides the data."""
+
+    loss_type: str = "ppo"
+    """``ppo``, ``gspo`` or ``flash_reinforce``."""
+    loss_kwargs: dict = dataclasses.field(default_factory=dict)
+    agg_mode: str = "token_mean"
+    norm_constant: float | None = None
+    temperature: float = 1.0
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_estimator: str = "k3"
+    use_rollout_logprobs_as_old: bool = False
+
+
+class ActorWorker:
+    def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
+        from rlhforge.backend.strategy import build_strategy
+        from rlhforge.models.loading import load_causal_lm
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        plan = _plan(cfg.train.micro_batch_size, grad_accum, max(total_updates, 1))
+        self.strategy = build_strategy(cfg.ds, cfg.actor.optim_config(), _train_cfg_for(cfg), plan)
+        model = load_causal_lm(cfg.actor.model_name_or_path, cfg.actor, cfg.ds, self.strategy.device)
+        self.model = self.strategy.prepare(model, max(total_updates, 1))
+        self.device = self.strategy.device
+        self.packed = cfg.ds.packing_samples
+
+    # -- inference --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[ExperienceSample], micro_batch_size: int, temperature: float
+                 ) -> list[torch.Tensor]:
+        self.strategy.eval()
+        out: list[torch.Tensor] = []
+        for chunk in _chunks(samples, micro_batch_size):
+            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
+            with self.strategy.autocast():
+                lp = token_logprobs(self.model, batch, temperature)
+            out.extend(_per_sample(lp, batch, chunk))
+        self.strategy.train()
+        return out
+
+    # -- one optimizer step -----------------------------------------------------------------------
+    def train_step(self, samples: Sequence[ExperienceSample], spec: PolicyLossSpec) -> dict[str, float]:
+        strategy = self.strategy
+        loss_fn = get_policy_loss(spec.loss_type)
+        local_tokens = sum(sum(s.loss_mask) for s in samples)
+        local_seqs = sum(1 for s in samples if any(s.loss_mask))
+        counts = strategy.all_reduce(torch.tensor([float(local_tokens), float(local_seqs)]), op="sum")
+        global_tokens, global_seqs = float(counts[0]), float(counts[1])
+        dp = strategy.world_size
+        agg = dict(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp, norm_constant=spec.norm_constant)
+        sums: dict[str, float] = {}
+        groups = _chunks(samples, self.cfg.train.micro_batch_size)
+        for k, chunk in enumerate(groups):
+            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed), self.device)
+            mask = batch["loss_mask"]
+            with strategy.autocast():
+                logp, logits = token_logprobs(self.model, batch, spec.temperature, return_logits=True)
+            old = batch["rollout_logprobs"] if spec.use_rollout_logprobs_as_old else batch["old_logprobs"]
+            tok_loss, metrics = loss_fn(logp, old, batch["advantages"], mask, is_weights=batch["is_weights"],
+                                        **spec.loss_kwargs)
+            policy_loss = aggregate_loss(tok_loss, mask, spec.agg_mode, **agg)
+            loss = policy_loss
+            if spec.entropy_coef:
+                entropy = shifted_entropy(logits, spec.temperature)
+                loss = loss + aggregate_loss(entropy_bonus(entropy, mask, spec.entropy_coef), mask, spec.agg_mode, **agg)
+            else:
+                with torch.no_grad():
+                    entropy = shifted_entropy(logits.detach(), spec.temperature)
+            if spec.kl_loss_coef > 0:
+                kl_tok = kl_loss(logp, batch["ref_logprobs"], mask, spec.kl_estimator)
+                kl_term = aggregate_loss(kl_tok, mask, spec.agg_mode, **agg)
+                loss = loss + spec.kl_loss_coef * kl_term
+                sums["kl_loss"] = sums.get("kl_loss", 0.0) + float(kl_term.detach())
+            strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
+            weight = float(mask.sum()) / max(global_tokens, 1.0)  # token share of this micro-batch
+            sums["policy_loss"] = sums.get("policy_loss", 0.0) + float(policy_loss.detach())
+            ent_mean = float((entropy.detach() * mask).sum() / mask.sum().clamp_min(1))
+            sums["entropy"] = sums.get("entropy", 0.0) + ent_mean * weight
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * weight
+        stats = strategy.step()
+        keys = sorted(sums)
+        reduced = strategy.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64), op="mean")
+        out = {k: float(v) for k, v in zip(keys, reduced.tolist())}
+        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"])
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.strategy.full_state_dict()
+
+    def save_hf(self, out_dir) -> None:
+        from rlhforge.models.export import save_hf
+
+        save_hf(self.strategy, self.tokenizer, out_dir)
+
+
+class RefWorker:
+    """Frozen reference policy (the actor's initial weights, without LoRA)."""
+
+    def __init__(self, cfg, tokenizer, device):
+        from rlhforge.config.components import LoraConfig
+        from rlhforge.models.loading import load_causal_lm
+
+        ds = dataclasses.replace(cfg.ds, lora=LoraConfig(), load_in_4bit=False)
+        model_cfg = dataclasses.replace(cfg.actor, gradient_checkpointing_enable=False)
+        self.model = load_causal_lm(cfg.actor.model_name_or_path, model_cfg, ds, device).to(device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer, self.device, self.packed = tokenizer, device, cfg.ds.packing_samples
+
+    @torch.no_grad()
+    def logprobs(self, samples, micro_batch_size: int, temperature: float) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for chunk in _chunks(samples, micro_batch_size):
+            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
+            out.extend(_per_sample(token_logprobs(self.model, batch, temperature), batch, chunk))
+        return out
+
+
+def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
+    """Critic values aligned like log-probs: ``values[:, t]`` = V(state before token t) = the value
+    head at position ``t - 1`` (0 at t = 0). [B, T] (or [1, N] packed), differentiable."""
+    from rlhforge.models.reward import value_head
+
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(_module, _inputs, output):
+        captured["v"] = output
+
+    kwargs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids"), "use_cache": False}
+    if not is_packed(batch):
+        kwargs["attention_mask"] = batch["attention_mask"]
+    handle = value_head(model, prefix).register_forward_hook(hook)
+    try:
+        model(**kwargs)
+    finally:
+        handle.remove()
+    v = captured["v"][..., 0].float()
+    return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+
+class CriticWorker:
+    def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
+        from rlhforge.backend.strategy import build_strategy
+        from rlhforge.models.reward import load_reward_model
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
+        plan = _plan(cfg.train.micro_batch_size, grad_accum, max(total_updates, 1))
+        self.strategy = build_strategy(cfg.ds, cfg.critic.optim_config(), cfg.train, plan)
+        model = load_reward_model(path, cfg.critic, cfg.ds, self.strategy.device, pad_token_id=tokenizer.pad_token_id,
+                                  value_head_prefix=cfg.ds.value_head_prefix)
+        self.model = self.strategy.prepare(model, max(total_updates, 1))
+        self.device, self.packed, self.prefix = self.strategy.device, cfg.ds.packing_samples, cfg.ds.value_head_prefix
+        self.path = path
+
+    @torch.no_grad()
+    def values(self, samples, micro_batch_size: int) -> list[torch.Tensor]:
+        self.strategy.eval()
+        out: list[torch.Tensor] = []
+        for chunk in _chunks(samples, micro_batch_size):
+            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
+            with self.strategy.autocast():
+                v = token_values(self.model, batch, self.prefix)
+            out.extend(_per_sample(v, batch, chunk))
+        self.strategy.train()
+        return out
+
+    def train_step(self, samples, value_clip: float | None) -> dict[str, float]:
+        strategy = self.strategy
+        local_tokens = sum(sum(s.loss_mask) for s in samples)
+        global_tokens = float(strategy.all_reduce(torch.tensor(float(local_tokens)), op="sum"))
+        sums = {"value_loss": 0.0, "clip_frac": 0.0, "values_mean": 0.0}
+        groups = _chunks(samples, self.cfg.train.micro_batch_size)
+        for k, chunk in enumerate(groups):
+            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed), self.device)
+            mask = batch["loss_mask"]
+            with strategy.autocast():
+                values = token_values(self.model, batch, self.prefix)
+            tok_loss, metrics = value_loss(values, batch["values"], batch["returns"], mask, value_clip=value_clip)
+            loss = aggregate_loss(tok_loss, mask, "token_mean", global_tokens=global_tokens, dp_size=strategy.world_size)
+            strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
+            weight = float(mask.sum()) / max(global_tokens, 1.0)
+            sums["value_loss"] += float(loss.detach())
+            sums["clip_frac"] += float(metrics["clip_frac"]) * weight
+            sums["values_mean"] += float(metrics["values_mean"]) * weight
+        stats = strategy.step()
+        keys = sorted(sums)
+        reduced = strategy.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64), op="mean")
+        out = {k: float(v) for k, v in zip(keys, reduced.tolist())}
+        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"])
+        return out
+
+    def save_hf(self, out_dir) -> None:
+        from rlhforge.models.export import save_hf
+
+        save_hf(self.strategy, self.tokenizer, Path(out_dir))
