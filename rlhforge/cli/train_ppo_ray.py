@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from rlhforge.config.parsing import ConfigError, save_yaml, to_dict
-from rlhforge.config.rl import RL_LEGACY_ALIASES, RL_LEGACY_SWITCHES, RLConfig
+from rlhforge.config.rl import RLConfig
+from rlhforge.config.rl_rules import RL_LEGACY_ALIASES, RL_LEGACY_SWITCHES
 
 CONFIG_CLASS = RLConfig
 
@@ -33,7 +34,7 @@ def rewrite_rl_argv(argv: list[str], warn=lambda msg: print(msg, file=sys.stderr
 
 def parse_rl_args(argv: list[str] | None = None, *, prog: str | None = None, validate: bool = True,
                   warn=lambda msg: print(msg, file=sys.stderr)) -> RLConfig:
-    """defaults < ``--config`` YAML < flags; then (optionally) :func:`~rlhforge.config.rl.validate_rl`."""
+    """defaults < ``--config`` YAML < flags; then (optionally) :func:`~rlhforge.config.rl_rules.validate_rl`."""
     import tyro
 
     from rlhforge.config.parsing import _pop_config_path, load_yaml

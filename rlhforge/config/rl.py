@@ -8,7 +8,8 @@ built yet (vLLM engines, Ray placement, async training, agents, VLM, EMA ...) ar
 name and fail at start-up when set to anything but their default (``validate``), never silently.
 
 OpenRLHF 0.9's flat names (``--pretrain``, ``--rollout_batch_size``, ``--init_kl_coef`` ...) are
-rewritten by :data:`RL_LEGACY_ALIASES` with a one-line deprecation notice.
+rewritten by :data:`rlhforge.config.rl_rules.RL_LEGACY_ALIASES` with a one-line deprecation notice.
+Validation and the alias tables live in :mod:`rlhforge.config.rl_rules`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from rlhforge.config.components import (
     LoggerConfig,
     OptimConfig,
 )
-from rlhforge.config.parsing import LEGACY_ALIASES, ConfigError
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -399,6 +399,8 @@ class RLConfig:
     """Not supported: ModelScope downloads."""
 
     def validate(self) -> None:
+        from rlhforge.config.rl_rules import validate_rl
+
         validate_rl(self)
 
     @property
@@ -408,234 +410,3 @@ class RLConfig:
     @property
     def uses_ref(self) -> bool:
         return self.algo.kl.init_coef > 0
-
-
-# --------------------------------------------------------------------------------------------- validation
-
-#: (section, field) -> default; a different value means a feature that is not built yet
-_NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
-    ("vllm", "num_engines"): (None, "vLLM engines (the in-process HF engine generates; set 0 or drop the flag)"),
-    ("vllm", "tensor_parallel_size"): (1, "vLLM tensor parallelism"),
-    ("vllm", "sync_with_ray"): (False, "vLLM weight sync through Ray"),
-    ("vllm", "enable_prefix_caching"): (False, "vLLM prefix caching"),
-    ("vllm", "enforce_eager"): (False, "vLLM eager mode"),
-    ("vllm", "enable_sleep"): (False, "vLLM sleep mode"),
-    ("rollout", "vllm_generate_batch_size"): (None, "vLLM generate batch size"),
-    ("rollout", "max_tokens_per_gpu"): (None, "token-budget log-prob passes"),
-    ("train", "async_enable"): (False, "asynchronous training"),
-    ("train", "async_queue_size"): (1, "asynchronous training"),
-    ("train", "partial_rollout_enable"): (False, "partial rollouts (async)"),
-    ("train", "agent_func_path"): (None, "multi-turn agents"),
-    ("train", "dynamic_batch_enable"): (False, "dynamic (token-budget) batching in RL"),
-    ("train", "enable_ema"): (False, "EMA of the actor"),
-    ("actor", "num_nodes"): (1, "Ray placement over several nodes"),
-    ("critic", "num_nodes"): (1, "Ray placement over several nodes"),
-    ("ref", "num_nodes"): (1, "Ray placement over several nodes"),
-    ("reward", "num_nodes"): (1, "Ray placement over several nodes"),
-    ("ref", "offload"): (False, "reference-model offload"),
-    ("reward", "offload"): (False, "reward-model offload"),
-    ("actor", "aux_loss_coef"): (0.0, "the MoE auxiliary loss in RL"),
-    ("actor", "freeze_visual_encoder"): (False, "vision-language models"),
-    ("data", "max_images_per_prompt"): (0, "vision-language models"),
-    ("algo", "dynamic_filtering_range"): (None, ""),  # checked below (has a real meaning)
-    ("ds", "enable_sleep"): (False, "DeepSpeed sleep (state offload between phases)"),
-    ("ds", "use_universal_ckpt"): (False, "DeepSpeed universal checkpoints"),
-    ("ds", "deepcompile"): (False, "DeepSpeed DeepCompile"),
-    ("ds", "use_liger_kernel"): (False, "Liger kernels"),
-    ("ds", "ring_attn_size"): (1, "ring attention"),
-    ("ds", "ring_attn_head_stride"): (1, "ring attention"),
-    ("ds", "tensor_parallel_size"): (1, "DeepSpeed AutoTP"),
-    ("ds", "experts_implementation"): (None, "MoE experts implementations"),
-    ("algo.kl", "unbiased_gradient"): (False, "the unbiased KL-loss gradient"),
-}
-
-_GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
-
-
-def _get(cfg, dotted: str):
-    node = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def validate_rl(cfg: RLConfig) -> None:
-    """Start-up checks with messages that show the value, the rule and the fix."""
-    if cfg.actor.model_name_or_path is None:
-        raise ConfigError("--actor.model_name_or_path is required (an HF hub id or a local folder)")
-    if cfg.data.prompt_dataset is None:
-        raise ConfigError("--data.prompt_dataset is required (files, folders, hub ids or builtin:NAME; comma-separated)")
-    if cfg.use_ms:
-        raise ConfigError("--use_ms (ModelScope) is not supported; download the model and pass a local folder")
-    for (section, name), (default, what) in _NOT_BUILT.items():
-        if not what:
-            continue
-        value = _get(cfg, f"{section}.{name}")
-        if section == "vllm" and name == "num_engines" and value == 0:
-            continue
-        if value != default:
-            raise ConfigError(
-                f"--{section}.{name} {value} needs {what}, which rlhforge does not have yet "
-                f"(leave it at {default}; one process with the HF engine runs everything)"
-            )
-    if cfg.reward.model_name_or_path is None and cfg.reward.remote_url is None:
-        raise ConfigError(
-            "no reward source: set --reward.remote_url (a .py file with reward_func, an http:// reward server, "
-            "or builtin:NAME) or --reward.model_name_or_path (a reward model)"
-        )
-    if cfg.reward.model_name_or_path and "," in cfg.reward.model_name_or_path:
-        raise ConfigError("several reward models (comma-separated --reward.model_name_or_path) are not supported yet")
-    est = cfg.algo.advantage.estimator
-    n = cfg.rollout.n_samples_per_prompt
-    if est in _GROUP_ESTIMATORS and n <= 1:
-        raise ConfigError(f"{est} needs rollout.n_samples_per_prompt > 1 (got {n}): it compares samples of one prompt")
-    if cfg.algo.dynamic_filtering_enable and n <= 1:
-        raise ConfigError(f"--algo.dynamic_filtering_enable needs rollout.n_samples_per_prompt > 1 (got {n})")
-    lo, hi = cfg.algo.dynamic_filtering_range
-    if not lo < hi:
-        raise ConfigError(f"--algo.dynamic_filtering_range needs low < high (got {lo} {hi})")
-    if cfg.actor.dual_clip is not None and cfg.actor.dual_clip <= 1:
-        raise ConfigError(f"--actor.dual_clip must be > 1 (got {cfg.actor.dual_clip})")
-    if cfg.algo.kl.init_coef < 0:
-        raise ConfigError(f"--algo.kl.init_coef must be >= 0 (got {cfg.algo.kl.init_coef})")
-    if cfg.algo.kl.target is not None and cfg.algo.kl.init_coef <= 0:
-        raise ConfigError("--algo.kl.target (adaptive KL) needs --algo.kl.init_coef > 0")
-    if cfg.algo.kl.use_loss and cfg.algo.kl.estimator == "k1":
-        print("[rlhforge] note: --algo.kl.use_loss with estimator k1 has a zero-mean gradient; k3 or k2 is usual")
-    if cfg.rollout.temperature <= 0:
-        raise ConfigError(f"--rollout.temperature must be > 0 for RL sampling (got {cfg.rollout.temperature})")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"--rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
-    if cfg.eval.n_samples_per_prompt < 1:
-        raise ConfigError(f"--eval.n_samples_per_prompt must be >= 1 (got {cfg.eval.n_samples_per_prompt})")
-    if cfg.reward.stop_properly_penalty_coef is not None and cfg.reward.stop_properly_penalty_coef > 1:
-        raise ConfigError(f"--reward.stop_properly_penalty_coef must be <= 1 (got {cfg.reward.stop_properly_penalty_coef})")
-    if cfg.reward.overlong_buffer_len is not None:
-        max_new = cfg.rollout.max_new_tokens
-        if max_new is None or not 0 < cfg.reward.overlong_buffer_len <= max_new:
-            raise ConfigError(
-                f"--reward.overlong_buffer_len {cfg.reward.overlong_buffer_len} needs --rollout.max_new_tokens set "
-                f"and 0 < buffer_len <= max_new_tokens (got max_new_tokens={max_new})"
-            )
-    if cfg.ds.lora.rank < 0:
-        raise ConfigError(f"--ds.lora.rank must be >= 0 (got {cfg.ds.lora.rank})")
-    if cfg.ds.load_in_4bit and cfg.ds.lora.rank == 0:
-        raise ConfigError("--ds.load_in_4bit (QLoRA) needs LoRA adapters: set --ds.lora.rank > 0")
-    if cfg.ds.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--ds.zero_stage must be 0, 1, 2 or 3 (got {cfg.ds.zero_stage})")
-    if cfg.data.input_template is not None and "{}" not in cfg.data.input_template:
-        raise ConfigError(f"--data.input_template must contain '{{}}' for the prompt (got {cfg.data.input_template!r})")
-    if cfg.data.prompt_probs is not None:
-        if len(cfg.data.prompt_probs.split(",")) != len(cfg.data.prompt_dataset.split(",")):
-            raise ConfigError(
-                f"--data.prompt_probs has {len(cfg.data.prompt_probs.split(','))} values for "
-                f"{len(cfg.data.prompt_dataset.split(','))} datasets ({cfg.data.prompt_dataset})"
-            )
-    if cfg.critic.freezing_steps > 0 and not cfg.uses_critic:
-        raise ConfigError("--critic.freezing_steps needs a critic (--algo.advantage.estimator gae)")
-    from rlhforge.config.batching import plan_rl_batches
-
-    plan_rl_batches(rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=n,
-                    train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
-                    rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=1, num_prompts=None,
-                    num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs)
-
-
-# --------------------------------------------------------------------------------------------- aliases
-
-#: OpenRLHF <= 0.9 flat names of ``train_ppo_ray`` -> our dotted names (rewritten with a notice).
-RL_LEGACY_ALIASES: dict[str, str] = {
-    **{k: v for k, v in LEGACY_ALIASES.items() if not v.startswith(("--model.", "--data.", "--eval.dataset",
-                                                                         "--eval.split", "--optim."))},
-    "--pretrain": "--actor.model_name_or_path",
-    "--reward_pretrain": "--reward.model_name_or_path",
-    "--critic_pretrain": "--critic.model_name_or_path",
-    "--remote_rm_url": "--reward.remote_url",
-    "--colocate_all_models": "--train.colocate_all",
-    "--colocate_actor_ref": "--train.colocate_actor_ref",
-    "--colocate_critic_reward": "--train.colocate_critic_reward",
-    "--ref_num_nodes": "--ref.num_nodes",
-    "--ref_num_gpus_per_node": "--ref.num_gpus_per_node",
-    "--reward_num_nodes": "--reward.num_nodes",
-    "--reward_num_gpus_per_node": "--reward.num_gpus_per_node",
-    "--critic_num_nodes": "--critic.num_nodes",
-    "--critic_num_gpus_per_node": "--critic.num_gpus_per_node",
-    "--actor_num_nodes": "--actor.num_nodes",
-    "--actor_num_gpus_per_node": "--actor.num_gpus_per_node",
-    "--vllm_num_engines": "--vllm.num_engines",
-    "--vllm_tensor_parallel_size": "--vllm.tensor_parallel_size",
-    "--vllm_sync_backend": "--vllm.sync_backend",
-    "--vllm_sync_with_ray": "--vllm.sync_with_ray",
-    "--enable_prefix_caching": "--vllm.enable_prefix_caching",
-    "--enforce_eager": "--vllm.enforce_eager",
-    "--vllm_enable_sleep": "--vllm.enable_sleep",
-    "--vllm_gpu_memory_utilization": "--vllm.gpu_memory_utilization",
-    "--deepspeed_enable_sleep": "--ds.enable_sleep",
-    "--advantage_estimator": "--algo.advantage.estimator",
-    "--gamma": "--algo.advantage.gamma",
-    "--lambd": "--algo.advantage.lambd",
-    "--no_advantage_std_norm": "--algo.advantage.no_std_norm",
-    "--init_kl_coef": "--algo.kl.init_coef",
-    "--kl_target": "--algo.kl.target",
-    "--kl_horizon": "--algo.kl.horizon",
-    "--kl_estimator": "--algo.kl.estimator",
-    "--use_kl_loss": "--algo.kl.use_loss",
-    "--dynamic_filtering": "--algo.dynamic_filtering_enable",
-    "--dynamic_filtering_reward_range": "--algo.dynamic_filtering_range",
-    "--async_train": "--train.async_enable",
-    "--micro_rollout_batch_size": "--rollout.micro_batch_size",
-    "--rollout_batch_size": "--rollout.batch_size",
-    "--n_samples_per_prompt": "--rollout.n_samples_per_prompt",
-    "--generate_max_len": "--rollout.max_new_tokens",
-    "--temperature": "--rollout.temperature",
-    "--top_p": "--rollout.top_p",
-    "--num_episodes": "--train.num_episodes",
-    "--actor_learning_rate": "--actor.adam.lr",
-    "--critic_learning_rate": "--critic.adam.lr",
-    "--lr_warmup_ratio": "--actor.lr_warmup_ratio",
-    "--max_norm": "--actor.max_norm",
-    "--l2": "--actor.adam.weight_decay",
-    "--adam_betas": "--actor.adam.betas",
-    "--eps_clip": "--actor.eps_clip",
-    "--eps_clip_low_high": "--actor.eps_clip_low_high",
-    "--dual_clip": "--actor.dual_clip",
-    "--policy_loss_type": "--actor.policy_loss_type",
-    "--entropy_loss_coef": "--actor.entropy_coef",
-    "--value_clip": "--critic.value_clip",
-    "--freezing_actor_steps": "--critic.freezing_steps",
-    "--save_value_network": "--critic.save_value_network",
-    "--normalize_reward": "--reward.normalize_enable",
-    "--reward_clip_range": "--reward.clip_range",
-    "--overlong_buffer_len": "--reward.overlong_buffer_len",
-    "--overlong_penalty_factor": "--reward.overlong_penalty_factor",
-    "--stop_properly_penalty_coef": "--reward.stop_properly_penalty_coef",
-    "--ref_reward_offload": "--ref.offload",
-    "--gradient_checkpointing": "--actor.gradient_checkpointing_enable",
-    "--gradient_checkpointing_use_reentrant": "--actor.gradient_checkpointing_reentrant",
-    "--aux_loss_coef": "--actor.aux_loss_coef",
-    "--value_head_prefix": "--ds.value_head_prefix",
-    "--prompt_data": "--data.prompt_dataset",
-    "--prompt_data_probs": "--data.prompt_probs",
-    "--prompt_split": "--data.prompt_split",
-    "--eval_dataset": "--eval.dataset",
-    "--eval_split": "--eval.split",
-    "--eval_temperature": "--eval.temperature",
-    "--eval_n_samples_per_prompt": "--eval.n_samples_per_prompt",
-    "--input_key": "--data.input_key",
-    "--label_key": "--data.label_key",
-    "--input_template": "--data.input_template",
-    "--apply_chat_template": "--data.apply_chat_template",
-    "--tokenizer_chat_template": "--data.tokenizer_chat_template",
-    "--max_len": "--data.max_len",
-    "--prompt_max_len": "--data.prompt_max_len",
-    "--max_samples": "--data.max_samples",
-    "--disable_fast_tokenizer": "--data.disable_fast_tokenizer",
-    "--agent_func_path": "--train.agent_func_path",
-    "--best_metric_key": "--ckpt.best_metric_key",
-}
-
-#: OpenRLHF <= 0.9 switches whose meaning is a value here.
-RL_LEGACY_SWITCHES: dict[str, list[str]] = {
-    "--enable_vllm_is_correction": ["--algo.advantage.is_correction_level", "token",
-                                    "--algo.advantage.is_correction_mode", "clip"],
-}
