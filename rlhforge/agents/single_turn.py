@@ -25,6 +25,9 @@ class PromptRequest:
     datasource: str | None = None
     prompt_index: int = -1
     sample_index: int = 0
+    raw_prompt: Any = None
+    """The record's prompt field as given (text or chat messages), for agents that build their own
+    conversation (OpenAI-client agents)."""
 
 
 class SingleTurnExecutor:

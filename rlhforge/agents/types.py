@@ -36,6 +36,12 @@ class Trajectory:
     """0-1 score for filtering and pass@k (kept apart from the reward)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Extra per-sample metrics (reward ``extra_logs``, environment info)."""
+    drop_reason: str | None = None
+    """Set when the sample must not be trained on: ``env_error`` (its environment failed),
+    ``exp_filter`` (a registry per-experience filter rejected its group), ``reward_failed``; the
+    trainer drops the whole prompt group (:func:`rlhforge.agents.episode.drop_failed_groups`)."""
+    error: str | None = None
+    """What went wrong (with ``drop_reason="env_error"``)."""
 
     @property
     def truncated(self) -> bool:

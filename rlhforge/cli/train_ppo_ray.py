@@ -82,7 +82,12 @@ def build_trainer(cfg: RLConfig):
     ref = InProcessGroup(RefWorker(cfg, tokenizer, device)) if cfg.uses_ref else None
     critic = InProcessGroup(CriticWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps)) \
         if cfg.uses_critic else None
-    reward_source = build_reward_source(cfg, device=device, pad_token_id=tokenizer.pad_token_id)
+    reward_source = None
+    if cfg.reward.remote_url or cfg.reward.model_name_or_path or not cfg.train.agent_func_path:
+        reward_source = build_reward_source(cfg, device=device, pad_token_id=tokenizer.pad_token_id)
+    from rlhforge.agents.loader import build_executor
+
+    executor = build_executor(cfg, tokenizer, reward_source)  # single-turn unless --train.agent_func_path
     engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size)
     out = Path(cfg.ckpt.output_dir)
     save_yaml(cfg, out / "config.yaml")
@@ -90,10 +95,11 @@ def build_trainer(cfg: RLConfig):
           f"{f', {len(eval_prompts)} eval prompts' if eval_prompts else ''}; {plan.total_steps} steps of "
           f"{cfg.rollout.batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, "
           f"{plan.updates_per_step} optimizer steps each; models: actor{' + ref' if ref else ''}"
-          f"{' + critic' if critic else ''}; reward: {reward_source.name}; {type(actor_w.strategy).__name__} on {device}")
+          f"{' + critic' if critic else ''}; reward: {reward_source.name if reward_source else 'from the agent'}"
+          f"{f'; agent: {executor.name}' if cfg.train.agent_func_path else ''}; {type(actor_w.strategy).__name__} on {device}")
     logger = MetricsLogger(out, cfg.logger, enabled=True, config=to_dict(cfg))
     trainer = RLTrainer(cfg, tokenizer, prompts, eval_prompts, plan, actor=actor, ref=ref, critic=critic,
-                        engine=engine, reward_source=reward_source, logger=logger, run_dir=out)
+                        engine=engine, reward_source=reward_source, logger=logger, run_dir=out, executor=executor)
     return trainer
 
 
@@ -104,11 +110,13 @@ def run(cfg: RLConfig) -> Path:
         trainer.fit()
     finally:
         trainer.logger.close()
+        getattr(trainer.executor, "close", lambda: None)()
     return Path(cfg.ckpt.output_dir)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_ppo_ray") -> int:
     from rlhforge.cli.errors import user_errors
+    from rlhforge.agents.episode import AgentError
     from rlhforge.rewards.base import RewardError
 
     with user_errors(prog):
@@ -117,6 +125,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
             run(cfg)
         except RewardError as err:
             print(f"{prog}: error: reward failed: {err}", file=sys.stderr)
+            raise SystemExit(3) from None
+        except AgentError as err:
+            print(f"{prog}: error: agent failed: {err}", file=sys.stderr)
             raise SystemExit(3) from None
     return 0
 

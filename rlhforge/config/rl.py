@@ -228,7 +228,23 @@ class RLTrainConfig:
     partial_rollout_enable: bool = False
     """Partial rollouts (not built yet)."""
     agent_func_path: str | None = None
-    """Multi-turn agent function (not built yet)."""
+    """Agent file (docs/agents.md): a multi-turn environment (``AgentInstance``/``AgentExecutor``,
+    OpenRLHF's API), an OpenAI-client agent (``run_agent(prompt, label, client)``) or task/env
+    registrations; ``registry`` for the built-in tasks (math, math_tir). None: single turn."""
+    agent_fail_fast: bool = False
+    """Stop the run at the first failing environment/agent sample (default: drop its prompt group
+    from the batch and count it in ``rollout/agent_dropped_groups``)."""
+    agent_step_timeout: float = 60.0
+    """Seconds one environment call (reset, step, tool call, task reward) may take. rlhforge-specific."""
+    agent_episode_timeout: float = 1800.0
+    """Seconds one whole episode may take, generation included (an OpenAI-client agent's
+    ``run_agent``). rlhforge-specific."""
+    agent_env_concurrency: int = 64
+    """Environment calls running at once (OpenAI-client agents: episodes at once). rlhforge-specific."""
+    agent_openai_prefix_mismatch: Literal["error", "new_segment"] = "error"
+    """OpenAI-client agents: a request whose prompt does not extend the recorded conversation fails
+    the sample (``error``) or restarts the trajectory from it (``new_segment``: only the last
+    segment is trained on). rlhforge-specific."""
     dynamic_batch_enable: bool = False
     """Token-budget micro-batches (not supported in RL yet)."""
     max_tokens_per_gpu: int = 16192

@@ -20,7 +20,6 @@ _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
     ("train", "async_enable"): (False, "asynchronous training"),
     ("train", "async_queue_size"): (1, "asynchronous training"),
     ("train", "partial_rollout_enable"): (False, "partial rollouts (async)"),
-    ("train", "agent_func_path"): (None, "multi-turn agents"),
     ("train", "dynamic_batch_enable"): (False, "dynamic (token-budget) batching in RL"),
     ("train", "enable_ema"): (False, "EMA of the actor"),
     ("actor", "num_nodes"): (1, "Ray placement over several nodes"),
@@ -73,10 +72,17 @@ def validate_rl(cfg: RLConfig) -> None:
                 f"--{section}.{name} {value} needs {what}, which rlhforge does not have yet "
                 f"(leave it at {default}; one process with the HF engine runs everything)"
             )
-    if cfg.reward.model_name_or_path is None and cfg.reward.remote_url is None:
+    t = cfg.train
+    if t.agent_step_timeout <= 0 or t.agent_episode_timeout <= 0:
+        raise ConfigError(f"--train.agent_step_timeout and --train.agent_episode_timeout must be > 0 "
+                          f"(got {t.agent_step_timeout} and {t.agent_episode_timeout})")
+    if t.agent_env_concurrency < 1:
+        raise ConfigError(f"--train.agent_env_concurrency must be >= 1 (got {t.agent_env_concurrency})")
+    if cfg.reward.model_name_or_path is None and cfg.reward.remote_url is None and not t.agent_func_path:
         raise ConfigError(
             "no reward source: set --reward.remote_url (a .py file with reward_func, an http:// reward server, "
-            "or builtin:NAME) or --reward.model_name_or_path (a reward model)"
+            "or builtin:NAME), --reward.model_name_or_path (a reward model), or --train.agent_func_path (an "
+            "environment or agent that returns rewards)"
         )
     if cfg.reward.model_name_or_path and "," in cfg.reward.model_name_or_path:
         raise ConfigError("several reward models (comma-separated --reward.model_name_or_path) are not supported yet")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from rlhforge.agents.episode import AgentError, drop_failed_groups
 from rlhforge.agents.single_turn import PromptRequest, SingleTurnExecutor
 from rlhforge.algorithms import (
     compute_advantages,
@@ -108,12 +109,12 @@ def _std(xs) -> float:
 
 class RLTrainer:
     def __init__(self, cfg, tokenizer, prompts, eval_prompts, plan: RLBatchPlan, *, actor, ref, critic, engine,
-                 reward_source, logger, run_dir: Path):
+                 reward_source, logger, run_dir: Path, executor=None):
         self.cfg, self.tokenizer, self.plan = cfg, tokenizer, plan
         self.prompts, self.eval_prompts = prompts, eval_prompts
         self.actor, self.ref, self.critic = actor, ref, critic  # worker groups (critic/ref may be None)
         self.engine, self.logger, self.run_dir = engine, logger, Path(run_dir)
-        self.executor = SingleTurnExecutor(tokenizer, reward_source)
+        self.executor = executor or SingleTurnExecutor(tokenizer, reward_source)  # agents: agents/loader.py
         self.state = RLState()
         kl = cfg.algo.kl
         self.kl_ctl = make_kl_controller(kl.init_coef, kl.target, kl.horizon)
@@ -213,7 +214,7 @@ class RLTrainer:
         for i, pos in zip(prompt_idx, positions):
             p = prompts[i]
             for j in range(n):
-                reqs.append(PromptRequest(p.ids, p.label, p.datasource, p.index, j))
+                reqs.append(PromptRequest(p.ids, p.label, p.datasource, p.index, j, p.raw))
                 params.append(SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=cfg.rollout.top_p,
                                              top_k=cfg.rollout.top_k, seed=request_seed(cfg.train.seed, pos, j, salt)))
         return reqs, params
@@ -225,6 +226,7 @@ class RLTrainer:
         kept: list = []
         generated_groups = passed_groups = rounds = 0
         all_trajs: list = []
+        dropped: dict[str, float] = {}
         self.engine.wake_up()
         while len(kept) < need and rounds <= cfg.algo.max_filter_refills:
             start = self.stream.position
@@ -233,8 +235,11 @@ class RLTrainer:
             reqs, params = self._requests(idx, list(range(start, start + len(idx))), n, cfg.rollout.temperature,
                                           self.max_new_tokens, salt=0)
             trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
+            trajs, counts = drop_failed_groups(trajs, n)  # failed environments / registry filters
+            for k, v in counts.items():
+                dropped[k] = dropped.get(k, 0.0) + v
             all_trajs.extend(trajs)
-            groups = [trajs[g * n : (g + 1) * n] for g in range(len(idx))]
+            groups = [trajs[g * n : (g + 1) * n] for g in range(len(trajs) // n)]
             generated_groups += len(groups)
             if cfg.algo.dynamic_filtering_enable:
                 lo, hi = cfg.algo.dynamic_filtering_range
@@ -247,6 +252,8 @@ class RLTrainer:
                 break
         self.engine.sleep()
         kept = kept[:need]
+        if not kept and not all_trajs:
+            raise AgentError(f"every prompt group of this step was dropped ({dropped}); see the messages above")
         if not kept:
             raise RuntimeError(
                 f"dynamic filtering kept no prompt group in {rounds} rounds ({generated_groups} groups): every group's "
@@ -264,6 +271,7 @@ class RLTrainer:
             "rollout/filter_pass_rate": passed_groups / max(generated_groups, 1),
             "rollout/generation_rounds": float(rounds),
             "rollout/samples": float(len(trajs)),
+            **{f"rollout/{k}": v for k, v in dropped.items()},
         }
         if n > 1:
             metrics["rollout/group_reward_std"] = _mean(
@@ -382,9 +390,10 @@ class RLTrainer:
         reqs, params = self._requests(idx, idx, n, cfg.eval.temperature, max_new, salt=7, prompts=self.eval_prompts)
         self.engine.wake_up()
         trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
+        trajs, _ = drop_failed_groups(trajs, n)
         self.engine.sleep()
         by_source: dict[str, list[list]] = {}
-        for g in range(len(idx)):
+        for g in range(len(trajs) // n):
             group = trajs[g * n : (g + 1) * n]
             by_source.setdefault(group[0].datasource or "all", []).append(group)
         out: dict[str, float] = {}

@@ -19,6 +19,8 @@ class Prompt:
     datasource: str | None
     index: int
     """Position in the loaded prompt list (stable across resumes)."""
+    raw: Any = None
+    """The record's prompt field as given (for agents that render their own conversation)."""
 
 
 def _to_prompts(dataset, tokenizer, data_cfg, prompt_max_len: int, what: str) -> list[Prompt]:
@@ -42,7 +44,7 @@ def _to_prompts(dataset, tokenizer, data_cfg, prompt_max_len: int, what: str) ->
             continue
         label = get_field(record, data_cfg.label_key, ref) if data_cfg.label_key else None
         source = record.get(data_cfg.datasource_key)
-        prompts.append(Prompt(ids, label, None if source is None else str(source), len(prompts)))
+        prompts.append(Prompt(ids, label, None if source is None else str(source), len(prompts), raw))
     if skipped:
         print(f"[rlhforge] {what}: skipped {skipped} prompts longer than {prompt_max_len} tokens (--data.prompt_max_len)")
     if not prompts:

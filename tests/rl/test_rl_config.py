@@ -96,7 +96,7 @@ def test_seed_command_lines_resolve_like_their_dotted_equivalents():
 
 @pytest.mark.parametrize("extra, message", [
     (["--train.async_enable"], "asynchronous training"),
-    (["--train.agent_func_path", "a.py"], "multi-turn agents"),
+    (["--train.agent_env_concurrency", "0"], "agent_env_concurrency must be >= 1"),
     (["--actor.num_nodes", "2"], "Ray placement"),
     (["--algo.advantage.estimator", "group_norm"], r"group_norm needs rollout.n_samples_per_prompt > 1 \(got 1\)"),
     (["--actor.dual_clip", "0.5"], "dual_clip must be > 1"),

@@ -1,0 +1,410 @@
+"""What every agent executor shares: the token recorder of one episode, a batching front for the
+generation engine, per-call timeouts and concurrency limits, and failure handling.
+
+:class:`Episode` is the only place where tokens enter a trajectory. ``await ep.generate()`` asks
+the engine for the next action and appends the engine's token ids and log-probs unchanged (an
+action span, trained on); ``ep.add_feedback(text)`` tokenises environment text once and appends it
+outside every action span (never trained on). Nothing already recorded is ever re-tokenised, so a
+trajectory is token-in-token-out whatever the executor.
+
+**Token budget.** ``rollout.max_new_tokens`` bounds everything after the prompt (actions and
+feedback together; ``data.max_len`` bounds the whole sequence). Each turn may generate what is left;
+feedback that does not fit is cut. An episode that runs out of budget before the environment says
+``done`` - or whose last action was cut by the budget - is *truncated*: its ``finish_reason`` is
+``"length"``, so the stop-properly penalty (``--reward.stop_properly_penalty_coef``) applies to
+multi-turn runs too.
+
+:class:`EpisodeExecutor` runs a batch of episodes concurrently (``asyncio``), routes their
+generation requests through one :class:`BatchingEngine` (requests that arrive together are decoded
+together), bounds environment calls with a per-call timeout and a semaphore, and turns any failure
+into an :class:`AgentError` that names the sample. A failed sample is returned with
+``drop_reason="env_error"``; :func:`drop_failed_groups` (called by the trainer) removes its whole
+prompt group from the batch and counts it, unless ``--train.agent_fail_fast`` makes the first
+failure stop the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+from rlhforge.agents.single_turn import PromptRequest
+from rlhforge.agents.types import Trajectory
+from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+
+__all__ = ["AgentError", "AgentSettings", "Action", "Episode", "BatchingEngine", "EpisodeExecutor",
+           "EpisodeContext", "drop_failed_groups", "sample_id", "turn_seed"]
+
+_SEED_MOD = 2**62
+
+
+class AgentError(RuntimeError):
+    """An environment or agent failed (raised, hung, returned something unusable); names the sample."""
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Robustness knobs (from ``--train.agent_*``)."""
+
+    step_timeout: float = 60.0
+    """Seconds one environment call (reset, step, tool call, reward) may take."""
+    episode_timeout: float = 1800.0
+    """Seconds one whole episode may take (generation included)."""
+    env_concurrency: int = 64
+    """Environment calls running at once (OpenAI-client agents: episodes at once)."""
+    fail_fast: bool = False
+    """Stop the run at the first failing sample instead of dropping its group."""
+    max_len: int | None = None
+    """Longest prompt + response (``data.max_len``)."""
+    prefix_mismatch: str = "error"
+    """OpenAI server: what a request whose prompt does not extend the session does (error|new_segment)."""
+
+    @classmethod
+    def from_config(cls, cfg) -> "AgentSettings":
+        t = cfg.train
+        return cls(step_timeout=t.agent_step_timeout, episode_timeout=t.agent_episode_timeout,
+                   env_concurrency=t.agent_env_concurrency, fail_fast=t.agent_fail_fast, max_len=cfg.data.max_len,
+                   prefix_mismatch=t.agent_openai_prefix_mismatch)
+
+
+def sample_id(req: PromptRequest) -> str:
+    src = f", datasource {req.datasource}" if req.datasource else ""
+    return f"prompt {req.prompt_index} sample {req.sample_index}{src}"
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """Seed of turn ``turn`` of an episode whose first turn uses ``seed`` (None stays None)."""
+    if seed is None or turn == 0:
+        return seed
+    return (seed + turn * 1_000_000_007) % _SEED_MOD
+
+
+# --------------------------------------------------------------------------------------------- engine
+
+
+class BatchingEngine:
+    """Collects single generation requests from concurrent episodes and sends them to the engine
+    as batches. Requests that arrive while a batch is decoding form the next batch. The HF engine
+    decodes in a worker thread so environment coroutines keep running meanwhile."""
+
+    def __init__(self, engine, window_s: float = 0.002):
+        self.engine, self.window_s = engine, window_s
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+        self.batches: list[int] = []
+        """Size of every batch sent (for metrics and benchmarks)."""
+
+    async def generate_one(self, ids: Sequence[int], sp: SamplingParams) -> GenerationOutput:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((list(ids), sp, fut))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.ensure_future(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        while self._pending:
+            for _ in range(3):  # let every episode that is ready enqueue its request
+                await asyncio.sleep(0)
+            if self.window_s:
+                await asyncio.sleep(self.window_s)
+            batch, self._pending = self._pending, []
+            self.batches.append(len(batch))
+            try:
+                outs = await self._generate([b[0] for b in batch], [b[1] for b in batch])
+            except Exception as err:  # noqa: BLE001 - every waiting episode sees the engine error
+                for *_, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(err)
+                continue
+            for (_, _, fut), out in zip(batch, outs):
+                if not fut.done():
+                    fut.set_result(out)
+
+    async def _generate(self, prompts, params) -> list[GenerationOutput]:
+        sync = getattr(self.engine, "generate_sync", None)
+        if sync is None:
+            return await self.engine.generate(prompts, params)
+        import torch
+
+        n_threads = torch.get_num_threads()
+
+        def run():
+            torch.set_num_threads(n_threads)  # the thread pool size is per thread
+            return sync(prompts, params)
+
+        return await asyncio.to_thread(run)
+
+
+# --------------------------------------------------------------------------------------------- episode
+
+
+@dataclass
+class Action:
+    """One generated turn."""
+
+    text: str
+    """Decoded action (special tokens removed) - what the environment reads."""
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class Episode:
+    """Records one episode's tokens (see the module docstring)."""
+
+    def __init__(self, ctx: "EpisodeContext", request: PromptRequest, sampling: SamplingParams,
+                 prompt_ids: Sequence[int] | None = None):
+        self.ctx, self.request, self.sampling = ctx, request, sampling
+        ids = list(request.prompt_ids if prompt_ids is None else prompt_ids)
+        self.token_ids: list[int] = ids
+        self.prompt_len = len(ids)
+        self.budget = sampling.max_new_tokens
+        self.action_ranges: list[tuple[int, int]] = []
+        self.logprobs: list[float] = []
+        self.turns = 0
+        self.env_tokens = 0
+        self.cut = False
+        """The budget ran out (feedback cut, or no room for another turn)."""
+        self.last_finish = "stop"
+        self.done = False
+        """Set by the executor when the environment ended the episode."""
+
+    def reset_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Replace the prompt (only before the first turn: e.g. ``reset`` rewrote the observation)."""
+        if self.turns:
+            raise AgentError("the prompt can only be replaced before the first turn")
+        self.token_ids, self.prompt_len = list(prompt_ids), len(prompt_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens that may still be appended."""
+        left = self.prompt_len + self.budget - len(self.token_ids)
+        if self.ctx.settings.max_len is not None:
+            left = min(left, self.ctx.settings.max_len - len(self.token_ids))
+        return max(left, 0)
+
+    @property
+    def truncated(self) -> bool:
+        return self.last_finish == "length" and self.remaining == 0 or self.cut or (not self.done and self.remaining == 0)
+
+    async def generate(self, sampling: SamplingParams | None = None) -> Action | None:
+        """Generate the next action (at most what the budget leaves); None when nothing is left."""
+        left = self.remaining
+        if left <= 0:
+            self.cut = True
+            return None
+        sp = sampling or self.sampling
+        sp = replace(sp, max_new_tokens=max(1, min(sp.max_new_tokens, left)),
+                     seed=turn_seed(self.sampling.seed, self.turns))
+        out = await self.ctx.engine.generate_one(self.token_ids, sp)
+        ids = list(out.token_ids)
+        if len(ids) != len(out.logprobs):
+            raise AgentError(f"engine returned {len(ids)} tokens but {len(out.logprobs)} log-probs")
+        start = len(self.token_ids)
+        self.token_ids.extend(ids)
+        if ids:
+            self.action_ranges.append((start, start + len(ids)))
+        self.logprobs.extend(float(x) for x in out.logprobs)
+        self.turns += 1
+        self.last_finish = out.finish_reason
+        return Action(self.ctx.decode(ids, skip_special_tokens=True), ids, list(out.logprobs), out.finish_reason)
+
+    def add_feedback(self, feedback: str | Sequence[int]) -> int:
+        """Append environment text (tokenised once, ``add_special_tokens=False``) or token ids,
+        outside the action spans; cut to the budget. Returns the number of tokens appended."""
+        ids = self.ctx.encode(feedback) if isinstance(feedback, str) else [int(i) for i in feedback]
+        left = self.remaining
+        if len(ids) > left:
+            ids, self.cut = ids[:left], True
+        self.token_ids.extend(ids)
+        self.env_tokens += len(ids)
+        return len(ids)
+
+    def trajectory(self) -> Trajectory:
+        r = self.request
+        return Trajectory(
+            token_ids=list(self.token_ids), prompt_len=self.prompt_len, action_ranges=list(self.action_ranges),
+            rollout_logprobs=list(self.logprobs), finish_reason="length" if self.truncated else "stop",
+            label=r.label, datasource=r.datasource, prompt_index=r.prompt_index, sample_index=r.sample_index,
+            extra={"agent_turns": float(self.turns), "agent_env_tokens": float(self.env_tokens)},
+        )
+
+
+class EpisodeContext:
+    """Shared by the episodes of one ``execute_batch``: engine front, tokenizer, limits."""
+
+    def __init__(self, engine: BatchingEngine, tokenizer, settings: AgentSettings, tokenizer_lock=None):
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.semaphore = asyncio.Semaphore(max(1, settings.env_concurrency))
+        self.lock = tokenizer_lock or threading.RLock()
+        self.env_seconds = 0.0
+
+    def encode(self, text: str) -> list[int]:
+        with self.lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        with self.lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                         clean_up_tokenization_spaces=False)
+
+    async def call(self, fn: Callable, *args, what: str, timeout: float | None = None, **kwargs) -> Any:
+        """Call environment code (async, or sync in a worker thread) under the concurrency limit and
+        the per-call timeout; a hang or an exception becomes an :class:`AgentError` naming ``what``."""
+        timeout = self.settings.step_timeout if timeout is None else timeout
+        async with self.semaphore:
+            t0 = time.perf_counter()
+            try:
+                if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+                    result = await asyncio.wait_for(fn(*args, **kwargs), timeout)
+                else:
+                    result = await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout)
+                    if inspect.isawaitable(result):
+                        result = await asyncio.wait_for(result, timeout)
+            except asyncio.TimeoutError:
+                raise AgentError(f"{what} did not return within {timeout:g} s (--train.agent_step_timeout)") from None
+            except AgentError:
+                raise
+            except Exception as err:  # noqa: BLE001 - user code: report it with context
+                raise AgentError(f"{what} raised {type(err).__name__}: {err}") from err
+            finally:
+                self.env_seconds += time.perf_counter() - t0
+        return result
+
+    async def guard(self, awaitable, *, what: str, timeout: float | None = None) -> Any:
+        """Await ``awaitable`` (e.g. a tool call) under the concurrency limit and per-call timeout."""
+        async def run():
+            return await awaitable
+        return await self.call(run, what=what, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------------- executor
+
+
+class EpisodeExecutor:
+    """Base of the multi-turn, OpenAI-server and registry executors: subclasses implement
+    :meth:`run_episode`; this class runs a batch concurrently and handles failures."""
+
+    tokenizer = None
+    reward_source = None
+    settings = AgentSettings()
+    name = "agent"
+
+    def configure(self, *, tokenizer, reward_source=None, settings: AgentSettings | None = None) -> "EpisodeExecutor":
+        """Called by the trainer builder (user subclasses keep OpenRLHF's argument-free ``__init__``)."""
+        self.tokenizer, self.reward_source = tokenizer, reward_source
+        self.settings = settings or AgentSettings()
+        self._tokenizer_lock = threading.RLock()
+        self.last_batch_sizes: list[int] = []
+        return self
+
+    async def run_episode(self, ep: Episode, ctx: EpisodeContext) -> Trajectory:
+        raise NotImplementedError
+
+    async def execute(self, request: PromptRequest, sampling: SamplingParams, engine) -> Trajectory:
+        return (await self.execute_batch([request], [sampling], engine))[0]
+
+    async def execute_batch(self, requests: Sequence[PromptRequest], sampling: Sequence[SamplingParams], engine
+                            ) -> list[Trajectory]:
+        if self.tokenizer is None:
+            raise AgentError(f"{type(self).__name__} was not configured (call .configure(tokenizer=...))")
+        batcher = BatchingEngine(engine)
+        ctx = EpisodeContext(batcher, self.tokenizer, self.settings, getattr(self, "_tokenizer_lock", None))
+        await self.before_batch(ctx)
+        try:
+            tasks = [asyncio.ensure_future(self._one(req, sp, ctx)) for req, sp in zip(requests, sampling)]
+            if self.settings.fail_fast:
+                done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+                errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+                if errors:
+                    raise errors[0]
+            trajs = list(await asyncio.gather(*tasks))
+        finally:
+            await self.after_batch(ctx)
+        self.last_batch_sizes = list(batcher.batches)
+        ok = [t for t in trajs if t.drop_reason is None]
+        if ok and self.reward_source is not None:
+            await self.add_source_rewards(ok)
+        await self.finish_batch(trajs, list(requests), ctx)
+        return trajs
+
+    async def before_batch(self, ctx: EpisodeContext) -> None:
+        pass
+
+    async def after_batch(self, ctx: EpisodeContext) -> None:
+        pass
+
+    async def finish_batch(self, trajs: list[Trajectory], requests: list[PromptRequest], ctx: EpisodeContext) -> None:
+        """Hook after every episode finished (the registry applies its per-experience filters)."""
+
+    async def _one(self, req: PromptRequest, sp: SamplingParams, ctx: EpisodeContext) -> Trajectory:
+        ep = Episode(ctx, req, sp)
+        t0 = time.perf_counter()
+        try:
+            traj = await asyncio.wait_for(self.run_episode(ep, ctx), self.settings.episode_timeout)
+        except asyncio.TimeoutError:
+            err = AgentError(f"{self.name}: {sample_id(req)}: episode did not finish within "
+                             f"{self.settings.episode_timeout:g} s (--train.agent_episode_timeout)")
+            return self._failed(req, err)
+        except AgentError as err:
+            return self._failed(req, AgentError(f"{self.name}: {sample_id(req)}: {err}"))
+        except Exception as err:  # noqa: BLE001
+            return self._failed(req, AgentError(f"{self.name}: {sample_id(req)}: {type(err).__name__}: {err}"))
+        traj.extra.setdefault("agent_episode_seconds", time.perf_counter() - t0)
+        return traj
+
+    def _failed(self, req: PromptRequest, err: AgentError) -> Trajectory:
+        if self.settings.fail_fast:
+            raise err
+        print(f"[rlhforge] {err} (its prompt group is dropped from the batch; --train.agent_fail_fast stops instead)")
+        return Trajectory(token_ids=list(req.prompt_ids), prompt_len=len(req.prompt_ids), action_ranges=[],
+                          rollout_logprobs=[], finish_reason="stop", label=req.label, datasource=req.datasource,
+                          prompt_index=req.prompt_index, sample_index=req.sample_index, drop_reason="env_error",
+                          error=str(err))
+
+    async def add_source_rewards(self, trajs: list[Trajectory]) -> None:
+        """With ``--reward.*`` set as well: the reward source scores the whole trajectory; its reward is
+        added to the environment's and its score replaces the environment's."""
+        from rlhforge.agents.single_turn import SingleTurnExecutor
+
+        env_rewards = [t.reward or 0.0 for t in trajs]
+        env_extra = [dict(t.extra) for t in trajs]
+        await SingleTurnExecutor(self.tokenizer, self.reward_source).score(trajs)
+        for t, r, extra in zip(trajs, env_rewards, env_extra):
+            t.extra = {**extra, **t.extra, "env_reward": r}
+            t.reward = r + t.reward
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------------- trainer helper
+
+
+def drop_failed_groups(trajs: Sequence[Trajectory], n: int) -> tuple[list[Trajectory], dict[str, float]]:
+    """Remove every prompt group (``n`` consecutive samples) that holds a trajectory with a
+    ``drop_reason``; returns the kept trajectories and counts (``agent_failed_samples``,
+    ``agent_dropped_groups``, ``<reason>_groups``)."""
+    kept: list[Trajectory] = []
+    counts: dict[str, float] = {}
+    n = max(n, 1)
+    for g in range(0, len(trajs), n):
+        group = list(trajs[g : g + n])
+        reasons = {t.drop_reason for t in group if t.drop_reason is not None}
+        if not reasons:
+            kept.extend(group)
+            continue
+        counts["agent_dropped_groups"] = counts.get("agent_dropped_groups", 0.0) + 1
+        counts["agent_failed_samples"] = counts.get("agent_failed_samples", 0.0) + sum(
+            t.drop_reason == "env_error" for t in group)
+        for reason in reasons:
+            counts[f"{reason}_groups"] = counts.get(f"{reason}_groups", 0.0) + 1
+    return kept, counts

@@ -1,0 +1,236 @@
+"""Multi-turn environments with OpenRLHF's agent API (``--train.agent_func_path my_env.py``).
+
+A user file defines an environment class; one fresh instance runs each sample::
+
+    from rlhforge.agents import AgentInstanceBase, MultiTurnAgentExecutor
+
+    class AgentInstance(AgentInstanceBase):
+        async def reset(self, states, **kwargs):
+            return {"observation": states["observation"]}      # the prompt text (may be rewritten)
+
+        async def step(self, states, **kwargs):
+            # states: observation_text, action_text, label, sampling_params
+            return {"rewards": 1.0, "environment_feedback": "...", "done": True,
+                    "scores": 1.0, "sampling_params": None, "extra_logs": {"tries": 3.0}}
+
+    class AgentExecutor(MultiTurnAgentExecutor):                # optional: this is what the loader builds
+        def __init__(self):
+            super().__init__(AgentInstance)
+
+The loop per sample: ``reset`` -> (generate an action -> ``step`` -> append the feedback tokens
+with loss mask 0) until ``done`` or the token budget is spent (then the trajectory is
+``truncated``). Names, arguments and the dicts passed and returned are OpenRLHF's
+(``openrlhf.utils.agent``), so an OpenRLHF agent file runs after changing its import lines.
+
+``step`` returns (OpenRLHF's keys; ``rewards`` may be a tensor, a number or a one-element list):
+
+=========================  ========================================================================
+``rewards``                this step's reward; the episode reward is the sum over steps
+``environment_feedback``   text appended after the action (tokenised once, never trained on)
+``done``                   end the episode
+``scores`` (optional)      0-1 score for filtering / pass@k (default: the episode reward)
+``sampling_params``        (optional) parameters of the next turn: a :class:`SamplingParams`, or a
+                           dict of overrides (``max_tokens``/``max_new_tokens``, ``temperature``,
+                           ``top_p``, ``top_k``, ``stop_token_ids``)
+``extra_logs`` (optional)  name -> number, logged as ``rollout/<name>`` (last step's values kept)
+``episode_reward``         (rlhforge) replaces the sum of step rewards as the episode reward
+=========================  ========================================================================
+
+``reset`` may also return ``sampling_params`` (rlhforge: parameters of the first turn). ``states`` also carries ``finish_reason`` (of the action) and ``action_token_ids``; methods that
+accept ``**kwargs`` get ``tokenizer=`` (e.g. for :func:`chat_feedback`). Feedback returned together
+with ``done=True`` is not appended (nothing is generated after it).
+``reset``/``step`` may also be plain functions (run in a worker thread). Each call is bounded by
+``--train.agent_step_timeout`` and ``--train.agent_env_concurrency``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import fields, replace
+from typing import Any
+
+from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor
+from rlhforge.agents.types import Trajectory
+from rlhforge.rollout.engine import SamplingParams
+
+__all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "chat_feedback", "to_float"]
+
+
+class AgentInstanceBase:
+    """One environment episode (OpenRLHF's ``AgentInstanceBase``). Constructed without arguments."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def reset(self, states: dict, **kwargs) -> dict:
+        """``states = {"observation": prompt_text, "label": label}``; return ``{"observation": text}``."""
+        return states
+
+    async def step(self, states: dict, **kwargs) -> dict:
+        raise NotImplementedError
+
+
+class AgentExecutorBase(EpisodeExecutor):
+    """Base of every agent executor: implement ``async run_episode(ep, ctx) -> Trajectory``
+    (rlhforge's form of OpenRLHF's ``execute``; see :class:`~rlhforge.agents.episode.Episode`)."""
+
+
+def to_float(value: Any, what: str) -> float:
+    if hasattr(value, "numel") and hasattr(value, "item"):
+        if value.numel() != 1:
+            raise AgentError(f"{what} is a tensor with {value.numel()} elements; expected one number")
+        value = value.item()
+    elif isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AgentError(f"{what} = {value!r} is not a number")
+    if not math.isfinite(value):
+        raise AgentError(f"{what} = {value} is not finite")
+    return float(value)
+
+
+_SP_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def merge_sampling(current: SamplingParams, new: Any) -> SamplingParams:
+    """The environment's ``sampling_params`` applied to ``current`` (seed is always kept)."""
+    if new is None:
+        return current
+    if isinstance(new, SamplingParams):
+        return replace(new, seed=current.seed)
+    if hasattr(new, "max_tokens") and not isinstance(new, dict):  # a vLLM SamplingParams
+        new = {k: getattr(new, k) for k in ("max_tokens", "temperature", "top_p", "top_k") if hasattr(new, k)}
+    if not isinstance(new, dict):
+        raise AgentError(f"sampling_params must be a SamplingParams or a dict (got {type(new).__name__})")
+    kw = dict(new)
+    if "max_tokens" in kw:
+        kw["max_new_tokens"] = kw.pop("max_tokens")
+    kw.pop("seed", None)
+    unknown = sorted(set(kw) - _SP_FIELDS)
+    if unknown:
+        raise AgentError(f"sampling_params has unknown keys {unknown}; valid: {sorted(_SP_FIELDS - {'seed'})}")
+    if kw.get("max_new_tokens") is None:
+        kw.pop("max_new_tokens", None)
+    if "stop_token_ids" in kw:
+        kw["stop_token_ids"] = tuple(kw["stop_token_ids"] or ())
+    return replace(current, **kw)
+
+
+def _float_logs(logs: Any, what: str) -> dict[str, float]:
+    if not logs:
+        return {}
+    if not isinstance(logs, dict):
+        raise AgentError(f"{what} must be a dict of numbers (got {type(logs).__name__})")
+    out = {}
+    for k, v in logs.items():
+        try:
+            out[str(k)] = to_float(v, f"{what}[{k!r}]")
+        except AgentError:
+            continue  # informational only
+    return out
+
+
+async def _construct(cls):
+    """``cls()``; also for an ``async def __init__`` (used by some OpenRLHF agent files)."""
+    if inspect.iscoroutinefunction(getattr(cls, "__init__", None)):
+        inst = cls.__new__(cls)
+        await inst.__init__()
+        return inst
+    return cls()
+
+
+def _extra_kwargs(method, ctx: EpisodeContext) -> dict:
+    """``tokenizer=`` for methods that accept it (OpenRLHF's signatures take ``**kwargs``)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD or p.name == "tokenizer" for p in params):
+        return {"tokenizer": ctx.tokenizer}
+    return {}
+
+
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    """Runs ``agent_instance_cls`` (an :class:`AgentInstanceBase`) per sample; see the module docstring."""
+
+    name = "multi-turn agent"
+
+    def __init__(self, agent_instance_cls):
+        self.agent_instance_cls = agent_instance_cls
+        self.name = f"agent {getattr(agent_instance_cls, '__name__', agent_instance_cls)}"
+
+    async def run_episode(self, ep: Episode, ctx: EpisodeContext) -> Trajectory:
+        req = ep.request
+        inst = await ctx.call(_construct, self.agent_instance_cls, what="creating the environment")
+        prompt_text = ctx.decode(req.prompt_ids)
+        states = await ctx.call(inst.reset, {"observation": prompt_text, "label": req.label}, what="reset",
+                                **_extra_kwargs(inst.reset, ctx))
+        if states is None:
+            states = {"observation": prompt_text}
+        if not isinstance(states, dict):
+            raise AgentError(f"reset returned {type(states).__name__}; expected a dict with 'observation'")
+        observation = states.get("observation", prompt_text)
+        if not isinstance(observation, str):
+            raise AgentError(f"reset returned observation of type {type(observation).__name__}; expected text")
+        if observation != prompt_text:
+            ep.reset_prompt(ctx.encode(observation))
+        sampling = merge_sampling(ep.sampling, states.get("sampling_params"))  # rlhforge: reset may set them
+        total, episode_reward, scores, logs = 0.0, None, None, {}
+        while True:
+            action = await ep.generate(sampling)
+            if action is None:
+                break
+            step_states = {"observation_text": observation, "action_text": action.text, "label": req.label,
+                           "sampling_params": sampling, "finish_reason": action.finish_reason,
+                           "action_token_ids": list(action.token_ids)}
+            res = await ctx.call(inst.step, step_states, what=f"step {ep.turns}", **_extra_kwargs(inst.step, ctx))
+            if not isinstance(res, dict):
+                raise AgentError(f"step {ep.turns} returned {type(res).__name__}; expected a dict with "
+                                 f"'rewards', 'environment_feedback', 'done'")
+            missing = [k for k in ("rewards", "done") if k not in res and not (k == "rewards" and "reward" in res)]
+            if missing:
+                raise AgentError(f"step {ep.turns} returned a dict without {missing} (keys: {sorted(res)})")
+            total += to_float(res.get("rewards", res.get("reward")), f"step {ep.turns} rewards")
+            if res.get("episode_reward") is not None:
+                episode_reward = to_float(res["episode_reward"], f"step {ep.turns} episode_reward")
+            if res.get("scores") is not None:
+                scores = to_float(res["scores"], f"step {ep.turns} scores")
+            logs = _float_logs(res.get("extra_logs"), f"step {ep.turns} extra_logs") or logs
+            sampling = merge_sampling(sampling, res.get("sampling_params"))
+            feedback = res.get("environment_feedback") or ""
+            if not isinstance(feedback, str):
+                raise AgentError(f"step {ep.turns} environment_feedback is {type(feedback).__name__}; expected text")
+            observation = observation + action.text + feedback
+            if bool(res["done"]):
+                ep.done = True
+                break
+            if feedback:
+                ep.add_feedback(feedback)
+            if ep.remaining <= 0:
+                break
+        traj = ep.trajectory()
+        traj.reward = episode_reward if episode_reward is not None else total
+        traj.score = scores if scores is not None else traj.reward
+        traj.extra.update(logs)
+        return traj
+
+
+def chat_feedback(tokenizer, content: str, *, role: str = "user", after_eos: bool = True) -> str:
+    """Text that closes the assistant turn and adds a ``role`` message, then opens the next
+    assistant turn, in the tokenizer's chat template (e.g. ChatML: ``"\\n<|im_start|>user\\n...
+    <|im_end|>\\n<|im_start|>assistant\\n"``). ``after_eos``: the action ended with the eos token
+    (so it is not repeated); otherwise it is included."""
+    base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "\x00A\x00"}]
+    a = tokenizer.apply_chat_template(base, tokenize=False)
+    b = tokenizer.apply_chat_template(base + [{"role": role, "content": content}], tokenize=False,
+                                      add_generation_prompt=True)
+    if not b.startswith(a):
+        raise ValueError("the chat template does not render a conversation as a prefix of its continuation")
+    tail = a[a.rindex("\x00A\x00") + 3:]
+    eos = tokenizer.eos_token or ""
+    if after_eos and eos and tail.startswith(eos):
+        tail = tail[len(eos):]
+    return tail + b[len(a):]
