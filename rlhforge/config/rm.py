@@ -100,11 +100,6 @@ def validate_preference_common(cfg) -> None:
     """Checks shared by ``rm`` and ``dpo``."""
     if cfg.model.pretrain_mode_enable:
         raise ConfigError("--model.pretrain_mode_enable is an SFT option; it does not apply to preference training")
-    if cfg.model.aux_loss_coef != 0:
-        raise ConfigError(
-            f"--model.aux_loss_coef {cfg.model.aux_loss_coef}: the MoE load-balancing loss is not supported by "
-            "rlhforge's reward-model/DPO trainers yet (leave it at 0)"
-        )
     if cfg.data.input_template is not None and cfg.data.prompt_key is None:
         raise ConfigError(
             "--data.input_template wraps the prompt, but no --data.prompt_key is given (the prompt is inside "

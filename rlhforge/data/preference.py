@@ -231,7 +231,7 @@ def _conversations(record, ref: RecordRef, prompt_key, chosen_key, rejected_key)
         chosen = _as_messages(record, chosen_key, ref, "assistant")
         rejected = _as_messages(record, rejected_key, ref, "assistant")
         # a response list may repeat the prompt messages first (whole conversations plus a prompt field)
-        for name, response in (("chosen", chosen), ("rejected", rejected)):
+        for response in (chosen, rejected):
             if len(response) > len(prompt) and all(_same_message(a, b) for a, b in zip(prompt, response)):
                 del response[: len(prompt)]
         return prompt, chosen, rejected, (chosen_key, rejected_key)

@@ -1,0 +1,96 @@
+"""DPO / cDPO / IPO training. ``python -m rlhforge.cli.train_dpo`` (OpenRLHF's module name) or ``rlhforge dpo``.
+
+Launch on several processes with ``torchrun --nproc_per_node N -m rlhforge.cli.train_dpo ...`` or
+``deepspeed --module rlhforge.cli.train_dpo ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from rlhforge.cli.train_rm import PREFERENCE_LEGACY_ALIASES, load_preference_data
+from rlhforge.config.dpo import DPOConfig
+from rlhforge.config.parsing import parse_args, save_yaml, to_dict
+
+CONFIG_CLASS = DPOConfig
+
+DPO_LEGACY_ALIASES: dict[str, str] = {
+    **PREFERENCE_LEGACY_ALIASES,
+    "--beta": "--model.beta",
+    "--ipo": "--model.ipo_enable",
+    "--label_smoothing": "--model.label_smoothing",
+    "--nll_loss_coef": "--model.nll_loss_coef",
+    "--ref_pretrain": "--ref.model_name_or_path",
+    "--ref_offload": "--ref.offload",
+}
+
+
+def load_reference_model(cfg: DPOConfig, strategy):
+    """The frozen reference policy, or None when it is the LoRA policy with its adapter disabled."""
+    import torch
+
+    from rlhforge.config.components import LoraConfig
+    from rlhforge.models.loading import load_causal_lm
+
+    if cfg.uses_adapter_reference:
+        return None
+    path = cfg.ref.model_name_or_path or cfg.model.model_name_or_path
+    model_cfg = dataclasses.replace(cfg.model, gradient_checkpointing_enable=False)
+    ds_cfg = dataclasses.replace(cfg.ds, lora=LoraConfig(rank=0), load_in_4bit=False)
+    device = torch.device("cpu") if cfg.ref.offload else strategy.device
+    ref = load_causal_lm(path, model_cfg, ds_cfg, device)
+    ref = ref.to(device=device, dtype=strategy.dtype)
+    return ref
+
+
+def run(cfg: DPOConfig) -> Path:
+    """Train and export; returns the output folder. Usable from Python as well as the CLI."""
+    from rlhforge.backend.device import dist_info
+    from rlhforge.backend.strategy import build_strategy
+    from rlhforge.config.batching import plan_batches
+    from rlhforge.models.loading import load_causal_lm, load_tokenizer
+    from rlhforge.trainers.common import seed_everything
+    from rlhforge.trainers.dpo import DPOTrainer, Reference
+    from rlhforge.tracking.metrics import MetricsLogger
+
+    seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
+    tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
+                               use_fast=not cfg.data.disable_fast_tokenizer)
+    train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=False, use_margin=False)
+    plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
+                        micro_batch_size=cfg.train.micro_batch_size, world_size=dist_info().world_size,
+                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps)
+    strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
+    model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
+    ref_model = load_reference_model(cfg, strategy)
+    wrapped = strategy.prepare(model, plan.total_steps)
+    reference = Reference(strategy, wrapped, ref_model, offload=cfg.ref.offload)
+    out = Path(cfg.ckpt.output_dir)
+    if strategy.is_rank0:
+        save_yaml(cfg, out / "config.yaml")
+        variant = "ipo" if cfg.model.ipo_enable else ("cdpo" if cfg.model.label_smoothing > 0 else "dpo")
+        print(f"[rlhforge] dpo ({variant}, beta {cfg.model.beta}): {len(train_samples)} train / {len(eval_samples)} "
+              f"eval pairs, {plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s), "
+              f"grad accumulation {plan.grad_accum_steps}, {type(strategy).__name__} on {strategy.device}, "
+              f"reference: {reference.kind}{' (precomputed once)' if cfg.ref.precompute_enable else ''}")
+    logger = MetricsLogger(out, cfg.logger, enabled=strategy.is_rank0, config=to_dict(cfg))
+    try:
+        DPOTrainer(cfg, strategy, wrapped, reference, tokenizer, train_samples, eval_samples, plan, logger).fit()
+    finally:
+        logger.close()
+    return out
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_dpo") -> int:
+    from rlhforge.cli.errors import user_errors
+
+    with user_errors(prog):
+        cfg = parse_args(DPOConfig, argv, prog=prog, description=DPOConfig.__doc__, legacy=DPO_LEGACY_ALIASES)
+        run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

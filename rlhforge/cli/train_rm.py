@@ -1,0 +1,108 @@
+"""Reward-model training. ``python -m rlhforge.cli.train_rm`` (OpenRLHF's module name) or ``rlhforge rm``.
+
+Launch on several processes with ``torchrun --nproc_per_node N -m rlhforge.cli.train_rm ...`` or
+``deepspeed --module rlhforge.cli.train_rm ...``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rlhforge.config.parsing import LEGACY_ALIASES, parse_args, save_yaml, to_dict
+from rlhforge.config.rm import RMConfig
+
+CONFIG_CLASS = RMConfig
+
+# OpenRLHF <= 0.9 flat names of train_rm / train_dpo (on top of the shared table).
+PREFERENCE_LEGACY_ALIASES: dict[str, str] = {
+    **LEGACY_ALIASES,
+    "--prompt_key": "--data.prompt_key",
+    "--chosen_key": "--data.chosen_key",
+    "--rejected_key": "--data.rejected_key",
+}
+RM_LEGACY_ALIASES: dict[str, str] = {
+    **PREFERENCE_LEGACY_ALIASES,
+    "--loss": "--model.loss_type",
+    "--margin_loss": "--model.margin_loss_enable",
+    "--compute_fp32_loss": "--model.compute_fp32_loss_enable",
+    "--value_head_prefix": "--ds.value_head_prefix",
+}
+
+
+def load_preference_data(cfg, tokenizer, *, force_eos: bool, use_margin: bool):
+    """Training and eval pairs (eval from ``eval.dataset`` or a held-out fraction)."""
+    from rlhforge.data.loading import load_dataset_spec
+    from rlhforge.data.preference import build_preference_samples
+
+    d = cfg.data
+    kwargs = dict(
+        prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key, margin_key=d.margin_key,
+        use_margin=use_margin, input_template=None if d.apply_chat_template else d.input_template,
+        apply_chat_template=d.apply_chat_template, max_len=d.max_len, force_eos=force_eos,
+    )
+    train = load_dataset_spec(d.dataset, d.dataset_probs, d.dataset_split, d.max_samples, seed=cfg.train.seed)
+    evals = None
+    if cfg.eval.dataset:
+        evals = load_dataset_spec(cfg.eval.dataset, None, cfg.eval.split, cfg.eval.max_samples, seed=cfg.train.seed)
+    elif cfg.eval.holdout_ratio > 0:
+        n_eval = max(1, int(len(train) * cfg.eval.holdout_ratio))
+        evals = train.select(range(len(train) - n_eval, len(train)))
+        train = train.select(range(len(train) - n_eval))
+    train_samples = build_preference_samples(train, tokenizer, **kwargs)
+    eval_samples = build_preference_samples(evals, tokenizer, **kwargs) if evals is not None else []
+    return train_samples, eval_samples
+
+
+def run(cfg: RMConfig) -> Path:
+    """Train and export; returns the output folder. Usable from Python as well as the CLI."""
+    from rlhforge.backend.device import dist_info
+    from rlhforge.backend.strategy import build_strategy
+    from rlhforge.config.batching import plan_batches
+    from rlhforge.models.loading import load_tokenizer
+    from rlhforge.models.reward import load_reward_model
+    from rlhforge.trainers.common import seed_everything
+    from rlhforge.trainers.rm import RMTrainer
+    from rlhforge.tracking.metrics import MetricsLogger
+
+    seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
+    tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
+                               use_fast=not cfg.data.disable_fast_tokenizer)
+    train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=True,
+                                                       use_margin=cfg.model.margin_loss_enable)
+    plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
+                        micro_batch_size=cfg.train.micro_batch_size, world_size=dist_info().world_size,
+                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps)
+    strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
+    model = load_reward_model(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device,
+                              pad_token_id=tokenizer.pad_token_id, value_head_prefix=cfg.ds.value_head_prefix)
+    if tokenizer.pad_token_id == tokenizer.eos_token_id and strategy.is_rank0:
+        print("[rlhforge] rm: warning: the pad token is the EOS token; HF's AutoModelForSequenceClassification "
+              "forward will read the reward one token before the final EOS (rlhforge's own scoring is unaffected). "
+              "Give the tokenizer a separate pad token to make them agree.")
+    wrapped = strategy.prepare(model, plan.total_steps)
+    out = Path(cfg.ckpt.output_dir)
+    if strategy.is_rank0:
+        save_yaml(cfg, out / "config.yaml")
+        print(f"[rlhforge] rm: {len(train_samples)} train / {len(eval_samples)} eval pairs, "
+              f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s), "
+              f"grad accumulation {plan.grad_accum_steps}, {type(strategy).__name__} on {strategy.device}")
+    logger = MetricsLogger(out, cfg.logger, enabled=strategy.is_rank0, config=to_dict(cfg))
+    try:
+        RMTrainer(cfg, strategy, wrapped, tokenizer, train_samples, eval_samples, plan, logger).fit()
+    finally:
+        logger.close()
+    return out
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_rm") -> int:
+    from rlhforge.cli.errors import user_errors
+
+    with user_errors(prog):
+        cfg = parse_args(RMConfig, argv, prog=prog, description=RMConfig.__doc__, legacy=RM_LEGACY_ALIASES)
+        run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""Direct preference optimisation (DPO, cDPO, IPO; optional NLL term): one loop, top to bottom.
+
+Per pair, with summed response log-probs (chosen and rejected run in one forward pass, padded or
+packed) ``h = (log pi_c - log pi_r) - (log pi_ref_c - log pi_ref_r)``:
+
+- DPO ``-log sigmoid(beta h)``; cDPO (``label_smoothing`` eps) ``-(1-eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``;
+- IPO (``ipo_enable``) ``(h - 1/(2 beta))^2``;
+- plus ``nll_loss_coef`` x the chosen response's token-averaged NLL.
+
+(:mod:`rlhforge.algorithms.preference_losses`.) The step loss is the mean over every pair of the
+optimizer step on all ranks: each micro-batch contributes ``sum(pair losses) * world_size /
+global_pairs`` (:func:`rlhforge.trainers.rm.pair_mean_share`).
+
+The reference log-probs come from (:class:`Reference`): a separate frozen model
+(``ref.model_name_or_path``, default the policy's checkpoint; ``ref.offload`` parks it on the CPU
+between uses), or, with LoRA, the policy itself with its adapter disabled (no second copy). With
+``ref.precompute_enable`` they are computed once for every train and eval pair before training
+and the separate reference model is freed.
+
+Metrics: loss, accuracy (implicit reward of chosen > rejected), implicit rewards
+``beta (log pi - log pi_ref)`` of chosen and rejected and their margin, summed log-probs of chosen
+and rejected (``train/``, ``eval/``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rlhforge.algorithms.preference_losses import chosen_nll_loss, dpo_sigmoid_loss, ipo_loss
+from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhforge.backend.device import empty_cache, peak_memory_bytes
+from rlhforge.config.batching import BatchPlan
+from rlhforge.data.preference import collate_pairs
+from rlhforge.models.export import save_hf
+from rlhforge.models.forward import sequence_logprob_sums, token_logprobs
+from rlhforge.trainers.common import epoch_order, micro_batches, pad_micro_batch_count, step_indices
+from rlhforge.trainers.rm import pair_mean_share
+from rlhforge.tracking.metrics import MetricsLogger
+from rlhforge.tracking.progress import Progress, progress_enabled
+
+# totals accumulated per step / eval: loss, correct, chosen reward, rejected reward, chosen logp,
+# rejected logp, nll, tokens
+_FIELDS = ("loss", "acc", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp", "nll_loss", "tokens")
+
+
+def _rows(values: Tensor, seq_lens) -> Tensor:
+    """A packed [1, N] tensor as [S, max_len] rows (zero-padded on the right)."""
+    parts = torch.split(values[0], list(seq_lens))
+    return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
+
+
+def _sequence_logps(model, batch) -> tuple[Tensor, Tensor, Tensor]:
+    """(summed response log-probs [S], token log-probs [S, T], response mask [S, T]) of every sequence."""
+    logps = token_logprobs(model, batch)
+    packed = batch.get("attention_mask") is None
+    sums = sequence_logprob_sums(logps, batch["loss_mask"], batch["seq_lens"] if packed else None)
+    if packed:
+        return sums, _rows(logps, batch["seq_lens"]), _rows(batch["loss_mask"], batch["seq_lens"])
+    return sums, logps, batch["loss_mask"]
+
+
+class Reference:
+    """Reference log-probs: a separate frozen model, the policy with its LoRA adapter disabled
+    (``model=None``), or values precomputed once per pair (:meth:`precompute`)."""
+
+    def __init__(self, strategy, policy, model: torch.nn.Module | None = None, *, offload: bool = False):
+        self.strategy, self.policy, self.model, self.offload = strategy, policy, model, offload
+        self.tables: dict[str, Tensor] = {}  # split -> [num_pairs, 2] (chosen, rejected)
+        if model is not None:
+            model.eval()
+            model.requires_grad_(False)
+
+    @property
+    def kind(self) -> str:
+        if self.tables:
+            return "precomputed"
+        return "adapter-disabled policy" if self.model is None else "separate model" + (" (offloaded)" if self.offload else "")
+
+    @contextlib.contextmanager
+    def active(self):
+        """Put an offloaded reference on the device for a while (one optimizer step, one eval)."""
+        if self.model is not None and self.offload:
+            self.model.to(self.strategy.device)
+            try:
+                yield
+            finally:
+                self.model.to("cpu")
+                empty_cache(self.strategy.device)
+        else:
+            yield
+
+    @torch.no_grad()
+    def logps(self, batch) -> Tensor:
+        """Summed response log-probs [2B] of a collated pair batch."""
+        if self.model is None:
+            module = self.strategy.module
+            was_training = module.training
+            module.eval()
+            try:
+                with module.disable_adapter(), self.strategy.autocast():
+                    sums, _, _ = _sequence_logps(self.policy, batch)
+            finally:
+                module.train(was_training)
+            return sums.detach()
+        with self.strategy.autocast():
+            sums, _, _ = _sequence_logps(self.model, batch)
+        return sums.detach()
+
+    def lookup(self, split: str, indices: list[int]) -> Tensor | None:
+        table = self.tables.get(split)
+        if table is None:
+            return None
+        rows = table[torch.as_tensor(indices, dtype=torch.long)]
+        return torch.cat([rows[:, 0], rows[:, 1]]).to(self.strategy.device)
+
+    def precompute(self, split: str, samples, micro_batch_size: int, collate) -> None:
+        """Reference log-probs of every pair of ``samples`` (sharded over ranks, then summed)."""
+        strategy = self.strategy
+        table = torch.zeros(len(samples), 2, dtype=torch.float64)
+        shard = list(range(strategy.rank, len(samples), strategy.world_size))
+        batches = [shard[i : i + micro_batch_size] for i in range(0, len(shard), micro_batch_size)]
+        with self.active():
+            for group in pad_micro_batch_count(strategy, batches):
+                chunk = [samples[0]] if group is None else [samples[i] for i in group]
+                sums = self.logps(collate(chunk)).double().cpu()
+                if group is not None:
+                    n = len(group)
+                    table[torch.as_tensor(group)] = torch.stack([sums[:n], sums[n:]], dim=1)
+        self.tables[split] = strategy.all_reduce(table, op="sum").float()
+
+    def release_model(self) -> None:
+        """Free a separate reference model (after precomputing)."""
+        if self.model is not None:
+            self.model = None
+            gc.collect()
+            empty_cache(self.strategy.device)
+
+
+@dataclass
+class DPOState:
+    global_step: int = 0
+
+    def as_dict(self) -> dict:
+        return {"global_step": self.global_step}
+
+
+class DPOTrainer:
+    def __init__(self, cfg, strategy, model, reference: Reference, tokenizer, train_samples, eval_samples,
+                 plan: BatchPlan, logger: MetricsLogger):
+        self.cfg, self.strategy, self.tokenizer = cfg, strategy, tokenizer
+        self.model = model  # the wrapped module returned by strategy.prepare
+        self.reference = reference
+        self.train_samples, self.eval_samples = train_samples, eval_samples
+        self.plan, self.logger = plan, logger
+        self.state = DPOState()
+
+    # -- one micro-batch -------------------------------------------------------------------------
+    def _collate(self, samples):
+        batch = collate_pairs(samples, self.tokenizer.pad_token_id, packed=self.cfg.ds.packing_samples)
+        return {k: v.to(self.strategy.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _pair_losses(self, split: str, indices: list[int], samples) -> tuple[Tensor, Tensor]:
+        """(summed loss over the pairs (differentiable), detached totals in ``_FIELDS`` order)."""
+        m = self.cfg.model
+        batch = self._collate(samples)
+        ref = self.reference.lookup(split, indices)
+        if ref is None:
+            ref = self.reference.logps(batch)
+        with self.strategy.autocast():
+            sums, token_logps, mask = _sequence_logps(self.model, batch)
+        n = len(samples)
+        pc, pr, rc, rr = sums[:n], sums[n:], ref[:n].to(sums.dtype), ref[n:].to(sums.dtype)
+        if m.ipo_enable:
+            loss, chosen_rewards, rejected_rewards = ipo_loss(pc, pr, rc, rr, beta=m.beta)
+        else:
+            loss, chosen_rewards, rejected_rewards = dpo_sigmoid_loss(pc, pr, rc, rr, beta=m.beta,
+                                                                      label_smoothing=m.label_smoothing)
+        loss_sum = loss * n
+        nll_sum = torch.zeros((), device=loss.device)
+        if m.nll_loss_coef > 0:
+            nll_sum = chosen_nll_loss(token_logps[:n], mask[:n]) * n
+            loss_sum = loss_sum + m.nll_loss_coef * nll_sum
+        c, r = chosen_rewards.double().cpu(), rejected_rewards.double().cpu()
+        totals = torch.stack([
+            loss_sum.detach().double().cpu(), (c > r).double().sum(), c.sum(), r.sum(),
+            pc.detach().double().sum().cpu(), pr.detach().double().sum().cpu(), nll_sum.detach().double().cpu(),
+            torch.tensor(float(sum(len(s) for s in samples)), dtype=torch.float64),
+        ])
+        return loss_sum, totals
+
+    @staticmethod
+    def _metrics(totals: Tensor, pairs: float, prefix: str, with_nll: bool) -> dict[str, float]:
+        t = dict(zip(_FIELDS, totals.tolist()))
+        out = {f"{prefix}/{k}": t[k] / pairs for k in _FIELDS if k not in ("tokens", "nll_loss")}
+        out[f"{prefix}/reward_margin"] = (t["chosen_reward"] - t["rejected_reward"]) / pairs
+        if with_nll:
+            out[f"{prefix}/nll_loss"] = t["nll_loss"] / pairs
+        out[f"{prefix}/pairs"] = pairs
+        out[f"{prefix}/tokens"] = t["tokens"]
+        return out
+
+    # -- the loop --------------------------------------------------------------------------------
+    def fit(self) -> None:
+        cfg, strategy, plan = self.cfg, self.strategy, self.plan
+        if cfg.ref.precompute_enable:
+            start = time.perf_counter()
+            mb = cfg.train.micro_batch_size
+            self.reference.precompute("train", self.train_samples, mb, self._collate)
+            if self.eval_samples:
+                self.reference.precompute("eval", self.eval_samples, mb, self._collate)
+            self.reference.release_model()
+            if strategy.is_rank0:
+                print(f"[rlhforge] dpo: reference log-probs of {len(self.train_samples)} train / "
+                      f"{len(self.eval_samples)} eval pairs precomputed in {time.perf_counter() - start:.1f}s")
+        self._maybe_resume()
+        bar = Progress(plan.total_steps, self.state.global_step,
+                       enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="dpo")
+        strategy.train()
+        while self.state.global_step < plan.total_steps:
+            epoch, step_in_epoch = divmod(self.state.global_step, plan.steps_per_epoch)
+            order = epoch_order(len(self.train_samples), cfg.train.seed, epoch)
+            indices = step_indices(order, step_in_epoch, plan.batch_size, strategy.rank, strategy.world_size)
+            start = time.perf_counter()
+            metrics = self.train_step(indices)
+            self.state.global_step += 1
+            step = self.state.global_step
+            elapsed = time.perf_counter() - start
+            metrics.update({"train/epoch": epoch + (step_in_epoch + 1) / plan.steps_per_epoch, "timing/step": elapsed,
+                            "perf/pairs_per_s": metrics["train/pairs"] / elapsed,
+                            "perf/tokens_per_s": metrics["train/tokens"] / elapsed})
+            if (cfg.eval.steps > 0 and step % cfg.eval.steps == 0) or step % plan.steps_per_epoch == 0 \
+                    or step == plan.total_steps:
+                metrics.update(self.evaluate())
+            if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
+                metrics["perf/peak_memory_gb"] = peak_memory_bytes(strategy.device) / 2**30
+                self.logger.log(step, metrics)
+            bar.update(1, loss=metrics["train/loss"], acc=metrics["train/acc"],
+                       margin=metrics["train/reward_margin"], lr=metrics["train/lr"])
+            if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
+                self.save_checkpoint()
+        bar.close()
+        if cfg.ckpt.save_steps > 0:
+            self.save_checkpoint()
+        save_hf(strategy, self.tokenizer, cfg.ckpt.output_dir)
+
+    def train_step(self, indices: list[int]) -> dict[str, float]:
+        strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
+        global_pairs = strategy.all_reduce(torch.tensor(float(len(indices))), op="sum").item()
+        groups = micro_batches(indices, lambda i: len(samples[i]), micro_batch_size=cfg.train.micro_batch_size,
+                               max_tokens=cfg.train.max_tokens_per_device)
+        groups = pad_micro_batch_count(strategy, groups)
+        totals = torch.zeros(len(_FIELDS), dtype=torch.float64)
+        with self.reference.active():
+            for k, group in enumerate(groups):
+                is_dummy = group is None
+                ids = [indices[0]] if is_dummy else group
+                loss_sum, t = self._pair_losses("train", ids, [samples[i] for i in ids])
+                loss = pair_mean_share(loss_sum, global_pairs, strategy.world_size)
+                strategy.backward(loss * 0.0 if is_dummy else loss, is_last_micro_batch=k == len(groups) - 1)
+                if not is_dummy:
+                    totals += t
+        stats = strategy.step()
+        totals = strategy.all_reduce(totals, op="sum")
+        metrics = self._metrics(totals, global_pairs, "train", cfg.model.nll_loss_coef > 0)
+        metrics.update({"train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"]})
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_samples:
+            return {}
+        strategy, samples = self.strategy, self.eval_samples
+        strategy.eval()
+        shard = list(range(strategy.rank, len(samples), strategy.world_size))
+        mb = self.cfg.train.micro_batch_size
+        batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
+        totals = torch.zeros(len(_FIELDS), dtype=torch.float64)
+        pairs = torch.zeros((), dtype=torch.float64)
+        with self.reference.active():
+            for group in pad_micro_batch_count(strategy, batches):
+                ids = [0] if group is None else group  # a dummy pass keeps collectives aligned (ZeRO-3)
+                _, t = self._pair_losses("eval", ids, [samples[i] for i in ids])
+                if group is not None:
+                    totals += t
+                    pairs += len(group)
+        strategy.train()
+        totals = strategy.all_reduce(totals, op="sum")
+        pairs = strategy.all_reduce(pairs, op="sum").item()
+        return self._metrics(totals, max(pairs, 1.0), "eval", self.cfg.model.nll_loss_coef > 0)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        cfg, step = self.cfg, self.state.global_step
+        if cfg.ckpt.disable_ds:  # no resumable state; at most an HF export
+            if not cfg.ckpt.save_hf:
+                return None
+            path = Path(cfg.ckpt.path) / f"step_{step}_hf"
+            save_hf(self.strategy, self.tokenizer, path)
+            return path
+        export = (lambda d: save_hf(self.strategy, self.tokenizer, d)) if cfg.ckpt.save_hf else None
+        return save_checkpoint(self.strategy, cfg.ckpt.path, step, self.state.as_dict(), max_num=cfg.ckpt.max_num,
+                               max_mem_gb=cfg.ckpt.max_mem, export_hf=export)
+
+    def _maybe_resume(self) -> None:
+        if not self.cfg.ckpt.load_enable:
+            return
+        path = latest_checkpoint(self.cfg.ckpt.path)
+        if path is None:
+            return
+        state = load_checkpoint(self.strategy, path)
+        self.state = DPOState(global_step=int(state["global_step"]))
+        self.logger.truncate_after(self.state.global_step)
+        if self.strategy.is_rank0:
+            print(f"[rlhforge] resumed from {path} at step {self.state.global_step}")

@@ -1,0 +1,224 @@
+"""Pairwise reward-model training: one loop, top to bottom.
+
+Each micro-batch runs chosen and rejected sequences in one forward pass (padded or packed); the
+reward of a sequence is the value head at its last token (:func:`rlhforge.models.reward.sequence_rewards`).
+
+Loss: mean over every pair of the optimizer step, on all ranks together: each micro-batch
+contributes ``sum(pair losses) * world_size / global_pairs`` (:func:`pair_mean_share`, the contract
+of :mod:`rlhforge.algorithms.aggregation`; strategies sum over micro-batches and average over
+ranks), so the result does not depend on the number of ranks or micro-batches.
+Pair loss: ``sigmoid`` -log sigmoid(r_c - r_r - m) or ``logexp`` log(1 + exp(r_r - r_c + m))
+(:mod:`rlhforge.algorithms.preference_losses`), m = the record's margin with
+``--model.margin_loss_enable``, else 0.
+
+Evaluation (every ``eval.steps``, at each epoch end and always after the last step): loss,
+accuracy (r_c > r_r), chosen/rejected reward means, and the mean/std of all eval rewards (chosen
+and rejected), which are exported as ``reward_mean``/``reward_std`` in config.json. Without eval
+data the statistics come from (up to 1024) training pairs after training.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhforge.algorithms.aggregation import aggregate_seq_mean_token_sum
+from rlhforge.algorithms.preference_losses import get_rm_loss
+from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhforge.backend.device import peak_memory_bytes
+from rlhforge.config.batching import BatchPlan
+from rlhforge.data.preference import collate_pairs
+from rlhforge.models.reward import save_reward_model, sequence_rewards
+from rlhforge.trainers.common import epoch_order, micro_batches, pad_micro_batch_count, step_indices
+from rlhforge.tracking.metrics import MetricsLogger
+from rlhforge.tracking.progress import Progress, progress_enabled
+
+STATS_SAMPLES_WITHOUT_EVAL = 1024
+
+
+def pair_mean_share(loss_sum: torch.Tensor, global_pairs: float, dp_size: int) -> torch.Tensor:
+    """This micro-batch's share of the step's mean pair loss: ``loss_sum * dp_size / global_pairs``
+    (the aggregation contract of :mod:`rlhforge.algorithms.aggregation`, each pair one sequence)."""
+    one = torch.ones(1, 1, dtype=torch.bool, device=loss_sum.device)
+    return aggregate_seq_mean_token_sum(loss_sum.reshape(1, 1), one, global_seqs=global_pairs, dp_size=dp_size)
+
+
+@dataclass
+class RMState:
+    global_step: int = 0
+    reward_stats: tuple[float, float] | None = None
+    """(mean, std) of the rewards at the last evaluation."""
+
+    def as_dict(self) -> dict:
+        return {"global_step": self.global_step,
+                "reward_stats": list(self.reward_stats) if self.reward_stats is not None else None}
+
+
+class RMTrainer:
+    def __init__(self, cfg, strategy, model, tokenizer, train_samples, eval_samples, plan: BatchPlan,
+                 logger: MetricsLogger):
+        self.cfg, self.strategy, self.tokenizer = cfg, strategy, tokenizer
+        self.model = model  # the wrapped module returned by strategy.prepare
+        self.train_samples, self.eval_samples = train_samples, eval_samples
+        self.plan, self.logger = plan, logger
+        self.loss_fn = get_rm_loss(cfg.model.loss_type)
+        self.state = RMState()
+
+    # -- one micro-batch -------------------------------------------------------------------------
+    def _rewards(self, samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen rewards [B], rejected rewards [B], margins [B]) of ``samples`` in one forward pass."""
+        batch = collate_pairs(samples, self.tokenizer.pad_token_id, packed=self.cfg.ds.packing_samples)
+        device = self.strategy.device
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with self.strategy.autocast():
+            rewards = sequence_rewards(self.model, batch, self.cfg.ds.value_head_prefix)
+        if self.cfg.model.compute_fp32_loss_enable:
+            rewards = rewards.float()
+        n = len(samples)
+        return rewards[:n], rewards[n:], batch["margin"].to(rewards.dtype)
+
+    def _loss_sum(self, chosen, rejected, margin) -> torch.Tensor:
+        margin = margin if self.cfg.model.margin_loss_enable else None
+        return self.loss_fn(chosen, rejected, margin) * chosen.shape[0]
+
+    # -- the loop --------------------------------------------------------------------------------
+    def fit(self) -> None:
+        cfg, strategy, plan = self.cfg, self.strategy, self.plan
+        self._maybe_resume()
+        bar = Progress(plan.total_steps, self.state.global_step,
+                       enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="rm")
+        strategy.train()
+        while self.state.global_step < plan.total_steps:
+            epoch, step_in_epoch = divmod(self.state.global_step, plan.steps_per_epoch)
+            order = epoch_order(len(self.train_samples), cfg.train.seed, epoch)
+            indices = step_indices(order, step_in_epoch, plan.batch_size, strategy.rank, strategy.world_size)
+            start = time.perf_counter()
+            metrics = self.train_step(indices)
+            self.state.global_step += 1
+            step = self.state.global_step
+            elapsed = time.perf_counter() - start
+            metrics.update({"train/epoch": epoch + (step_in_epoch + 1) / plan.steps_per_epoch, "timing/step": elapsed,
+                            "perf/pairs_per_s": metrics["train/pairs"] / elapsed,
+                            "perf/tokens_per_s": metrics["train/tokens"] / elapsed})
+            if (cfg.eval.steps > 0 and step % cfg.eval.steps == 0) or step % plan.steps_per_epoch == 0 \
+                    or step == plan.total_steps:
+                metrics.update(self.evaluate())
+            if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
+                metrics["perf/peak_memory_gb"] = peak_memory_bytes(strategy.device) / 2**30
+                self.logger.log(step, metrics)
+            bar.update(1, loss=metrics["train/loss"], acc=metrics["train/acc"], lr=metrics["train/lr"])
+            if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
+                self.save_checkpoint()
+        bar.close()
+        if self.state.reward_stats is None:
+            self.state.reward_stats = self._stats_from_train()
+        if cfg.ckpt.save_steps > 0:
+            self.save_checkpoint()
+        self.export(cfg.ckpt.output_dir)
+
+    def train_step(self, indices: list[int]) -> dict[str, float]:
+        strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
+        global_pairs = strategy.all_reduce(torch.tensor(float(len(indices))), op="sum").item()
+        groups = micro_batches(indices, lambda i: len(samples[i]), micro_batch_size=cfg.train.micro_batch_size,
+                               max_tokens=cfg.train.max_tokens_per_device)
+        groups = pad_micro_batch_count(strategy, groups)
+        # loss, correct, chosen reward, rejected reward, tokens
+        totals = torch.zeros(5, dtype=torch.float64)
+        for k, group in enumerate(groups):
+            is_dummy = group is None
+            chunk = [samples[indices[0]]] if is_dummy else [samples[i] for i in group]
+            chosen, rejected, margin = self._rewards(chunk)
+            loss_sum = self._loss_sum(chosen, rejected, margin)
+            loss = pair_mean_share(loss_sum, global_pairs, strategy.world_size)
+            strategy.backward(loss * 0.0 if is_dummy else loss, is_last_micro_batch=k == len(groups) - 1)
+            if not is_dummy:
+                c, r = chosen.detach().double().cpu(), rejected.detach().double().cpu()
+                totals += torch.stack([loss_sum.detach().double().cpu(), (c > r).double().sum(), c.sum(), r.sum(),
+                                       torch.tensor(float(sum(len(s) for s in chunk)), dtype=torch.float64)])
+        stats = strategy.step()
+        totals = strategy.all_reduce(totals, op="sum")
+        loss, correct, chosen_sum, rejected_sum, tokens = totals.tolist()
+        return {"train/loss": loss / global_pairs, "train/acc": correct / global_pairs,
+                "train/chosen_reward": chosen_sum / global_pairs, "train/rejected_reward": rejected_sum / global_pairs,
+                "train/reward_margin": (chosen_sum - rejected_sum) / global_pairs,
+                "train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"], "train/pairs": global_pairs,
+                "train/tokens": tokens}
+
+    @torch.no_grad()
+    def _score(self, samples, prefix: str) -> dict[str, float]:
+        """Loss/accuracy/reward statistics of ``samples`` (sharded over ranks, reduced)."""
+        strategy = self.strategy
+        strategy.eval()
+        shard = list(range(strategy.rank, len(samples), strategy.world_size))
+        mb = self.cfg.train.micro_batch_size
+        batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
+        # loss, correct, chosen sum, rejected sum, sum of all rewards^2, pairs
+        totals = torch.zeros(6, dtype=torch.float64)
+        for group in pad_micro_batch_count(strategy, batches):
+            if group is None:  # keep collectives aligned across ranks (ZeRO-3)
+                self._rewards([samples[0]])
+                continue
+            chosen, rejected, margin = self._rewards([samples[i] for i in group])
+            loss_sum = self._loss_sum(chosen, rejected, margin)
+            c, r = chosen.double().cpu(), rejected.double().cpu()
+            totals += torch.stack([loss_sum.double().cpu(), (c > r).double().sum(), c.sum(), r.sum(),
+                                   c.square().sum() + r.square().sum(), torch.tensor(float(len(group)), dtype=torch.float64)])
+        strategy.train()
+        loss, correct, chosen_sum, rejected_sum, sq_sum, pairs = strategy.all_reduce(totals, op="sum").tolist()
+        pairs = max(pairs, 1.0)
+        mean = (chosen_sum + rejected_sum) / (2 * pairs)
+        std = max(math.sqrt(max(sq_sum / (2 * pairs) - mean * mean, 0.0)), 1e-8)
+        return {f"{prefix}/loss": loss / pairs, f"{prefix}/acc": correct / pairs,
+                f"{prefix}/chosen_reward": chosen_sum / pairs, f"{prefix}/rejected_reward": rejected_sum / pairs,
+                f"{prefix}/reward_margin": (chosen_sum - rejected_sum) / pairs,
+                f"{prefix}/reward_mean": mean, f"{prefix}/reward_std": std, f"{prefix}/pairs": pairs}
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_samples:
+            return {}
+        metrics = self._score(self.eval_samples, "eval")
+        self.state.reward_stats = (metrics["eval/reward_mean"], metrics["eval/reward_std"])
+        return metrics
+
+    def _stats_from_train(self) -> tuple[float, float]:
+        subset = self.train_samples[:STATS_SAMPLES_WITHOUT_EVAL]
+        metrics = self._score(subset, "train_stats")
+        if self.strategy.is_rank0:
+            print(f"[rlhforge] rm: no eval data; reward mean/std for normalisation taken from {len(subset)} "
+                  "training pairs")
+        return metrics["train_stats/reward_mean"], metrics["train_stats/reward_std"]
+
+    # -- outputs and checkpoints -----------------------------------------------------------------
+    def export(self, out_dir) -> None:
+        cfg = self.cfg
+        save_reward_model(self.strategy, self.tokenizer, out_dir, stats=self.state.reward_stats,
+                          base_path=cfg.model.model_name_or_path, model_cfg=cfg.model, ds_cfg=cfg.ds)
+
+    def save_checkpoint(self) -> Path | None:
+        cfg, step = self.cfg, self.state.global_step
+        if cfg.ckpt.disable_ds:  # no resumable state; at most an HF export
+            if not cfg.ckpt.save_hf:
+                return None
+            path = Path(cfg.ckpt.path) / f"step_{step}_hf"
+            self.export(path)
+            return path
+        export = self.export if cfg.ckpt.save_hf else None
+        return save_checkpoint(self.strategy, cfg.ckpt.path, step, self.state.as_dict(), max_num=cfg.ckpt.max_num,
+                               max_mem_gb=cfg.ckpt.max_mem, export_hf=export)
+
+    def _maybe_resume(self) -> None:
+        if not self.cfg.ckpt.load_enable:
+            return
+        path = latest_checkpoint(self.cfg.ckpt.path)
+        if path is None:
+            return
+        state = load_checkpoint(self.strategy, path)
+        stats = state.get("reward_stats")
+        self.state = RMState(global_step=int(state["global_step"]), reward_stats=tuple(stats) if stats else None)
+        self.logger.truncate_after(self.state.global_step)
+        if self.strategy.is_rank0:
+            print(f"[rlhforge] resumed from {path} at step {self.state.global_step}")
