@@ -12,7 +12,10 @@ reward model. :func:`build_reward_source` picks one from ``--reward.remote_url``
   (reward = score = 1.0 for a correct answer, else 0.0); ``builtin:auto`` picks the task from each
   record's datasource;
 - ``http://host:port/path``: an HTTP reward server speaking OpenRLHF's JSON protocol
-  (``{"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``).
+  (``{"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``);
+- ``endpoints:path/to/file``: a live list of such servers (one URL per line), re-read before
+  every reward call, so servers can be moved or replaced without stopping training; a bad or
+  empty file keeps the last good list and warns (:mod:`rlhforge.rewards.endpoints`).
 """
 
 from __future__ import annotations
@@ -95,15 +98,22 @@ class BuiltinReward:
 
 
 class RemoteReward:
-    """An HTTP reward server (OpenRLHF's JSON protocol); several URLs share the batch round-robin."""
+    """HTTP reward servers (OpenRLHF's JSON protocol); several URLs share the batch round-robin.
 
-    def __init__(self, urls: list[str], timeout: float = 300.0):
-        self.urls, self.timeout = urls, timeout
-        self.name = f"reward server {','.join(urls)}"
+    ``endpoints`` is a list of URLs or an endpoint source with ``current()`` (e.g. an
+    :class:`~rlhforge.rewards.endpoints.EndpointsFile`, consulted before every call)."""
+
+    def __init__(self, endpoints, timeout: float = 300.0, name: str | None = None):
+        from rlhforge.rewards.endpoints import StaticEndpoints
+
+        self.endpoints = endpoints if hasattr(endpoints, "current") else StaticEndpoints(endpoints)
+        self.timeout = timeout
+        self.name = name or f"reward server {','.join(self.endpoints.current())}"
 
     async def __call__(self, batch: RewardBatch) -> dict:
-        chunks = [list(range(i, len(batch), len(self.urls))) for i in range(len(self.urls))]
-        results = await asyncio.gather(*[self._post(url, batch, idx) for url, idx in zip(self.urls, chunks) if idx])
+        urls = self.endpoints.current()
+        chunks = [list(range(i, len(batch), len(urls))) for i in range(len(urls))]
+        results = await asyncio.gather(*[self._post(url, batch, idx) for url, idx in zip(urls, chunks) if idx])
         rewards = [0.0] * len(batch)
         scores = [0.0] * len(batch)
         extra: dict[str, list[float]] = {}
@@ -197,8 +207,14 @@ def build_reward_source(cfg, *, device=None, pad_token_id: int | None = None):
             return FunctionReward.from_file(url)
         if url.startswith(("http://", "https://")):
             return RemoteReward([u.strip() for u in url.split(",") if u.strip()])
+        if url.startswith("endpoints:"):
+            from rlhforge.rewards.endpoints import EndpointsFile
+
+            path = url.split(":", 1)[1]
+            return RemoteReward(EndpointsFile(path), name=f"reward servers listed in {path}")
         raise RewardError(
-            f"--reward.remote_url {url!r}: expected a .py file with reward_func, an http(s):// URL or builtin:NAME"
+            f"--reward.remote_url {url!r}: expected a .py file with reward_func, an http(s):// URL, "
+            "endpoints:FILE or builtin:NAME"
         )
     import dataclasses
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from rlhforge.agents.endpoints import (
+from rlhforge.rewards.endpoints import (
     EndpointSelector,
     EndpointsFile,
     EndpointsFileError,
@@ -80,7 +80,7 @@ def test_bad_or_empty_edits_keep_the_last_good_list_and_warn_once(tmp_path, capl
     path = tmp_path / "services.txt"
     write(path, "http://a:1\n")
     endpoints = EndpointsFile(path)
-    caplog.set_level(logging.WARNING, logger="rlhforge.agents.endpoints")
+    caplog.set_level(logging.WARNING, logger="rlhforge.rewards.endpoints")
 
     write(path, "http://a:1\nftp://b:2\n")
     for _ in range(3):
@@ -122,3 +122,54 @@ def test_least_recently_used_and_failures():
     assert only() == "http://solo:1"  # all cooling down: still returns one
     with pytest.raises(ValueError, match="strategy"):
         EndpointSelector(["http://a:1"], "random")
+
+
+def test_remote_reward_follows_a_live_endpoints_file(tmp_path):
+    """`--reward.remote_url endpoints:FILE`: moving the server means editing the file, not restarting."""
+    import asyncio
+    import json as _json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from rlhforge.rewards.base import RewardBatch
+    from rlhforge.rewards.sources import build_reward_source
+
+    def serve(value):
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                n = len(_json.loads(self.rfile.read(int(self.headers["Content-Length"])))["query"])
+                body = _json.dumps({"rewards": [value] * n, "scores": [value] * n}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server, f"http://127.0.0.1:{server.server_address[1]}/get_reward"
+
+    (a, url_a), (b, url_b) = serve(1.0), serve(2.0)
+    listing = tmp_path / "reward_servers.txt"
+    listing.write_text(f"# the reward servers\n{url_a}\n")
+
+    class Cfg:
+        class reward:  # noqa: N801
+            remote_url = f"endpoints:{listing}"
+
+    source = build_reward_source(Cfg)
+    batch = RewardBatch(queries=["q1", "q2"], prompts=["p1", "p2"], responses=["r1", "r2"], labels=["l1", "l2"],
+                        datasources=[None, None])
+    try:
+        assert asyncio.run(source(batch))["rewards"] == [1.0, 1.0]
+        listing.write_text(f"{url_b}\n")
+        assert asyncio.run(source(batch))["rewards"] == [2.0, 2.0]
+        listing.write_text("not a url\n")  # a bad edit keeps the last good list
+        assert asyncio.run(source(batch))["rewards"] == [2.0, 2.0]
+        assert "reward servers listed in" in source.name
+    finally:
+        a.shutdown()
+        b.shutdown()
