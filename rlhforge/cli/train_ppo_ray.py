@@ -1,9 +1,9 @@
 """RL training (PPO family). ``python -m rlhforge.cli.train_ppo_ray`` (OpenRLHF's module name) or ``rlhforge rl``.
 
 Same flags as OpenRLHF's ``train_ppo_ray`` for every feature rlhforge has (see docs/rl.md). All
-models run in this process (actor, reference, critic, reward model, and the HF generation engine);
-Ray workers and vLLM engines come with the distributed issue, and their flags fail with a clear
-message until then.
+models run in this process (actor, reference, critic, reward model, and the generation engine: HF
+by default, vLLM with ``--vllm.num_engines N``, see docs/vllm.md); Ray workers come with the
+distributed issue, and their flags fail with a clear message until then.
 """
 
 from __future__ import annotations
@@ -88,7 +88,12 @@ def build_trainer(cfg: RLConfig):
     from rlhforge.agents.loader import build_executor
 
     executor = build_executor(cfg, tokenizer, reward_source)  # single-turn unless --train.agent_func_path
-    engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size)
+    if cfg.vllm.num_engines:  # vLLM engines load the actor's folder; the trainer syncs weights after each step
+        from rlhforge.rollout.vllm_engine import build_vllm_engines
+
+        engine = build_vllm_engines(cfg, tokenizer, max_model_len=_vllm_max_model_len(cfg, prompts, eval_prompts))
+    else:
+        engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size)
     out = Path(cfg.ckpt.output_dir)
     save_yaml(cfg, out / "config.yaml")
     print(f"[rlhforge] rl: {cfg.algo.advantage.estimator} / {cfg.actor.policy_loss_type}: {len(prompts)} prompts"
@@ -96,11 +101,24 @@ def build_trainer(cfg: RLConfig):
           f"{cfg.rollout.batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, "
           f"{plan.updates_per_step} optimizer steps each; models: actor{' + ref' if ref else ''}"
           f"{' + critic' if critic else ''}; reward: {reward_source.name if reward_source else 'from the agent'}"
-          f"{f'; agent: {executor.name}' if cfg.train.agent_func_path else ''}; {type(actor_w.strategy).__name__} on {device}")
+          f"{f'; agent: {executor.name}' if cfg.train.agent_func_path else ''}; {type(actor_w.strategy).__name__} on {device}"
+          f"; generation: {f'{cfg.vllm.num_engines} vLLM engine(s)' if cfg.vllm.num_engines else 'HF engine'}")
     logger = MetricsLogger(out, cfg.logger, enabled=True, config=to_dict(cfg))
     trainer = RLTrainer(cfg, tokenizer, prompts, eval_prompts, plan, actor=actor, ref=ref, critic=critic,
                         engine=engine, reward_source=reward_source, logger=logger, run_dir=out, executor=executor)
     return trainer
+
+
+def _vllm_max_model_len(cfg: RLConfig, prompts, eval_prompts) -> int:
+    """Longest prompt + response a vLLM engine must hold (its KV cache is sized for it)."""
+    longest = max((len(p.ids) for p in prompts), default=1)
+    longest_eval = max((len(p.ids) for p in eval_prompts), default=1)
+    rollout_new = cfg.rollout.max_new_tokens or max(1, cfg.data.max_len - longest)  # as in RLTrainer
+    eval_new = cfg.eval.max_new_tokens or rollout_new
+    need = max(longest + rollout_new, longest_eval + eval_new)
+    if cfg.train.agent_func_path:  # multi-turn contexts grow with each turn, up to data.max_len
+        need = max(need, cfg.data.max_len)
+    return need
 
 
 def run(cfg: RLConfig) -> Path:
@@ -111,6 +129,7 @@ def run(cfg: RLConfig) -> Path:
     finally:
         trainer.logger.close()
         getattr(trainer.executor, "close", lambda: None)()
+        getattr(trainer.engine, "close", lambda: None)()  # vLLM engines: stop their engine cores
     return Path(cfg.ckpt.output_dir)
 
 

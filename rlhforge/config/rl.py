@@ -145,24 +145,24 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class VllmConfig:
-    """vLLM generation engines (not built yet: every flag must stay at its default; the HF engine generates)."""
+    """vLLM generation engines (``num_engines >= 1``; see docs/vllm.md). Unset: the in-process HF engine."""
 
     num_engines: int | None = None
-    """Number of vLLM engines (None/0: the in-process HF engine)."""
+    """Number of vLLM engines (None/0: the in-process HF engine). Requests go to the least-loaded one."""
     tensor_parallel_size: int = 1
-    """vLLM tensor parallelism."""
+    """vLLM tensor parallelism per engine (GPU; 1 on CPU)."""
     sync_backend: str = "nccl"
     """Weight-sync backend."""
     sync_with_ray: bool = False
     """Sync weights with ray.util.collective."""
     enable_prefix_caching: bool = False
-    """vLLM prefix caching."""
+    """vLLM prefix caching (reset after every weight sync)."""
     enforce_eager: bool = False
-    """Disable CUDA graphs."""
+    """Disable CUDA graphs (always eager on CPU)."""
     enable_sleep: bool = False
-    """Sleep vLLM between generation phases."""
+    """Sleep vLLM between generation phases (GPU only: vLLM's CPU build has no sleep mode)."""
     gpu_memory_utilization: float = 0.95
-    """vLLM memory fraction."""
+    """vLLM's GPU memory fraction (ignored on CPU, where ``VLLM_CPU_KVCACHE_SPACE`` GiB, default 1, sizes the KV cache)."""
 
 
 @dataclass(frozen=True)

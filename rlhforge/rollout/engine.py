@@ -1,6 +1,6 @@
 """The ``GenerationEngine`` seam: token ids in, token ids + log-probs + finish reason out.
 
-Every engine (HF ``transformers`` on CPU/GPU now; vLLM later) implements::
+Every engine (HF ``transformers`` in ``hf_engine.py``; vLLM in ``vllm_engine.py``) implements::
 
     async generate(prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]
     update_weights(named_tensors)   # load the trainer's full state dict (weight sync)

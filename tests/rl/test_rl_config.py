@@ -89,9 +89,24 @@ def test_seed_command_lines_resolve_like_their_dotted_equivalents():
         b = parse_rl_args(dotted.split(), validate=False, warn=lambda m: pytest.fail(f"unexpected notice {m}"))
         assert a == b
     assert notes and all("deprecated" in n for n in notes)
-    # and the not-built vLLM engines fail loudly when validated
-    with pytest.raises(ConfigError, match=r"--vllm.num_engines 4 needs vLLM engines"):
+    # and the not-built DeepSpeed sleep fails loudly when validated
+    with pytest.raises(ConfigError, match=r"--ds.enable_sleep True needs DeepSpeed sleep"):
         parse_rl_args(commands[0] + ["--prompt_data", "p.jsonl"])
+
+
+def test_vllm_flag_validation():
+    from rlhforge.rollout.vllm_engine import vllm_available
+
+    with pytest.raises(ConfigError, match=r"--vllm.num_engines must be >= 0 \(got -1"):
+        parse_rl_args(BASE + ["--vllm.num_engines", "-1"])
+    with pytest.raises(ConfigError, match=r"with LoRA \(--ds.lora.rank 4\) needs merged-LoRA weight sync"):
+        parse_rl_args(BASE + ["--vllm.num_engines", "1", "--ds.lora.rank", "4"])
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        parse_rl_args(BASE + ["--vllm.num_engines", "1", "--vllm.gpu_memory_utilization", "1.5"])
+    assert parse_rl_args(BASE + ["--vllm.num_engines", "0"]).vllm.num_engines == 0  # 0: the HF engine
+    if not vllm_available():
+        with pytest.raises(ConfigError, match=r"--vllm.num_engines 1 needs vLLM, which does not import here"):
+            parse_rl_args(BASE + ["--vllm.num_engines", "1"])
 
 
 @pytest.mark.parametrize("extra, message", [

