@@ -47,3 +47,47 @@ def pad_micro_batch_count(strategy, batches: list[list[int]]) -> list[list[int] 
     Ranks with fewer micro-batches get ``None`` entries: a zero-weighted pass on a dummy sample."""
     count = strategy.all_reduce(torch.tensor(float(len(batches))), op="max")
     return batches + [None] * (int(count.item()) - len(batches))
+
+
+def is_eval_step(step: int, steps_per_epoch: int, eval_steps: int, total_steps: int | None = None) -> bool:
+    """Evaluate every ``eval_steps`` steps (when > 0), at every epoch end, and (optionally) at the last step."""
+    return (
+        (eval_steps > 0 and step % eval_steps == 0)
+        or step % steps_per_epoch == 0
+        or (total_steps is not None and step == total_steps)
+    )
+
+
+def save_step_checkpoint(strategy, ckpt_cfg, step: int, trainer_state: dict, export):
+    """A checkpoint as ``--ckpt.*`` asks: resumable state (plus ``hf/`` with ``save_hf``), or with
+    ``disable_ds`` only an HF export at ``<ckpt.path>/step_N_hf`` (or nothing without ``save_hf``).
+    ``export(dir)`` writes the HF folder; all ranks call this."""
+    from pathlib import Path
+
+    from rlhforge.backend.checkpoint import save_checkpoint
+
+    if ckpt_cfg.disable_ds:
+        if not ckpt_cfg.save_hf:
+            return None
+        path = Path(ckpt_cfg.path) / f"step_{step}_hf"
+        export(path)
+        return path
+    return save_checkpoint(strategy, ckpt_cfg.path, step, trainer_state, max_num=ckpt_cfg.max_num,
+                           max_mem_gb=ckpt_cfg.max_mem, export_hf=export if ckpt_cfg.save_hf else None)
+
+
+def resume_trainer_state(strategy, ckpt_cfg, logger) -> dict | None:
+    """With ``--ckpt.load_enable`` and a checkpoint in ``ckpt.path``: restore the strategy and RNG,
+    cut ``metrics.jsonl`` back to the checkpoint's step and return the trainer state dict."""
+    from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint
+
+    if not ckpt_cfg.load_enable:
+        return None
+    path = latest_checkpoint(ckpt_cfg.path)
+    if path is None:
+        return None
+    state = load_checkpoint(strategy, path)
+    logger.truncate_after(int(state["global_step"]))
+    if strategy.is_rank0:
+        print(f"[rlhforge] resumed from {path} at step {state['global_step']}")
+    return state

@@ -28,12 +28,19 @@ import torch
 
 from rlhforge.algorithms.aggregation import aggregate_seq_mean_token_sum
 from rlhforge.algorithms.preference_losses import get_rm_loss
-from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlhforge.backend.device import peak_memory_bytes
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
 from rlhforge.models.reward import save_reward_model, sequence_rewards
-from rlhforge.trainers.common import epoch_order, micro_batches, pad_micro_batch_count, step_indices
+from rlhforge.trainers.common import (
+    epoch_order,
+    is_eval_step,
+    micro_batches,
+    pad_micro_batch_count,
+    resume_trainer_state,
+    save_step_checkpoint,
+    step_indices,
+)
 from rlhforge.tracking.metrics import MetricsLogger
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -104,8 +111,7 @@ class RMTrainer:
             metrics.update({"train/epoch": epoch + (step_in_epoch + 1) / plan.steps_per_epoch, "timing/step": elapsed,
                             "perf/pairs_per_s": metrics["train/pairs"] / elapsed,
                             "perf/tokens_per_s": metrics["train/tokens"] / elapsed})
-            if (cfg.eval.steps > 0 and step % cfg.eval.steps == 0) or step % plan.steps_per_epoch == 0 \
-                    or step == plan.total_steps:
+            if is_eval_step(step, plan.steps_per_epoch, cfg.eval.steps, plan.total_steps):
                 metrics.update(self.evaluate())
             if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
                 metrics["perf/peak_memory_gb"] = peak_memory_bytes(strategy.device) / 2**30
@@ -199,26 +205,11 @@ class RMTrainer:
                           base_path=cfg.model.model_name_or_path, model_cfg=cfg.model, ds_cfg=cfg.ds)
 
     def save_checkpoint(self) -> Path | None:
-        cfg, step = self.cfg, self.state.global_step
-        if cfg.ckpt.disable_ds:  # no resumable state; at most an HF export
-            if not cfg.ckpt.save_hf:
-                return None
-            path = Path(cfg.ckpt.path) / f"step_{step}_hf"
-            self.export(path)
-            return path
-        export = self.export if cfg.ckpt.save_hf else None
-        return save_checkpoint(self.strategy, cfg.ckpt.path, step, self.state.as_dict(), max_num=cfg.ckpt.max_num,
-                               max_mem_gb=cfg.ckpt.max_mem, export_hf=export)
+        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, self.state.as_dict(),
+                                    export=self.export)
 
     def _maybe_resume(self) -> None:
-        if not self.cfg.ckpt.load_enable:
-            return
-        path = latest_checkpoint(self.cfg.ckpt.path)
-        if path is None:
-            return
-        state = load_checkpoint(self.strategy, path)
-        stats = state.get("reward_stats")
-        self.state = RMState(global_step=int(state["global_step"]), reward_stats=tuple(stats) if stats else None)
-        self.logger.truncate_after(self.state.global_step)
-        if self.strategy.is_rank0:
-            print(f"[rlhforge] resumed from {path} at step {self.state.global_step}")
+        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger)
+        if state is not None:
+            stats = state.get("reward_stats")
+            self.state = RMState(global_step=int(state["global_step"]), reward_stats=tuple(stats) if stats else None)
