@@ -9,6 +9,11 @@ learn in minutes on a CPU and that an RL reward can check exactly:
 ``reverse``
     ``"Reverse the letters: abcd"`` -> ``"dcba"``; strings of ``min_len..max_len`` (default 3..5)
     letters from the first ``letters`` (default 6) letters of the alphabet.
+``larger``
+    ``"Which is larger: (12,7)?"`` -> ``"12"``; two different integers in ``0..max`` (default
+    ``max=49``), written without spaces so each number is the same token in prompt and answer.
+    Guessing one of the two is right half the time, so sampled groups have mixed rewards from the
+    start: the quickstart's RL task.
 
 Every record has the same fields, so one dataset serves SFT (``prompt``/``completion`` or
 ``messages``), RL (``prompt`` + label ``answer``) and reward routing (``datasource``)::
@@ -20,7 +25,7 @@ Every record has the same fields, so one dataset serves SFT (``prompt``/``comple
 Spec syntax (see :func:`parse_builtin_spec`): ``builtin:NAME``, ``builtin:NAME@test``,
 ``builtin:NAME?n=2000&seed=3``, ``builtin:NAME?n=100@test`` (query and ``@split`` in either
 order). Parameters: ``n`` (records, default 1000), ``seed`` (default 0) and the task's own
-(``max`` for arithmetic; ``letters``, ``min_len``, ``max_len`` for reverse).
+(``max`` for arithmetic and larger; ``letters``, ``min_len``, ``max_len`` for reverse).
 
 Train and test are disjoint by construction: every task enumerates its finite pool of distinct
 problems, and a problem belongs to the test pool iff ``crc32(problem key) % 10 == 0`` (about 10%).
@@ -124,9 +129,29 @@ def _reverse_check(completion: str, answer: str) -> float:
     return float(match is not None and match.group() == str(answer).strip())
 
 
+def _larger_pool(p: dict) -> list[tuple]:
+    hi = p["max"]
+    return [(a, b) for a in range(hi + 1) for b in range(hi + 1) if a != b]
+
+
+def _larger_render(problem: tuple) -> tuple[str, str]:
+    a, b = problem
+    return f"Which is larger: ({a},{b})?", str(max(a, b))
+
+
+def _larger_check(completion: str, answer: str) -> float:
+    """1.0 iff the completion holds exactly one integer and it equals the answer (no hedging)."""
+    found = _INT.findall(completion)
+    try:
+        return float(len(found) == 1 and int(found[0]) == int(str(answer).strip()))
+    except ValueError:
+        return 0.0
+
+
 BUILTIN_TASKS: dict[str, _Task] = {
     "arithmetic": _Task(_arith_pool, _arith_render, _arith_check, {"max": 20}),
     "reverse": _Task(_reverse_pool, _reverse_render, _reverse_check, {"letters": 6, "min_len": 3, "max_len": 5}),
+    "larger": _Task(_larger_pool, _larger_render, _larger_check, {"max": 49}),
 }
 
 
@@ -284,6 +309,8 @@ def check_answer(task: str, completion: str, answer: str) -> float:
     ``arithmetic``: 1.0 iff the first integer in the completion equals the answer
     (``"19"``, ``" 19<|im_end|>"`` and ``"19 is it"`` score 1; ``"18 or 19"`` scores 0).
     ``reverse``: 1.0 iff the first run of letters equals the answer.
+    ``larger``: 1.0 iff the completion holds exactly one integer, the answer (``"12"`` and
+    ``" 12<|im_end|>"`` score 1; ``"12 or 7"`` scores 0).
     """
     if task not in BUILTIN_TASKS:
         raise _unknown(task)
