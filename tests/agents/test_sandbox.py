@@ -339,10 +339,11 @@ def test_unprivileged_user_namespace_mode():
     python = "/usr/bin/python3"
     if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists(python):
         pytest.skip("needs root (to switch to an unprivileged user), setpriv and a system python")
-    module = os.path.join(os.path.dirname(__file__), "..", "..", "rlhforge", "agents", "sandbox.py")
-    script = (
+    package = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "rlhforge", "agents", "sandbox"))
+    script = (  # the sandbox package alone (no torch in the system python), loaded from its folder
         "import asyncio, importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('sbx', {os.path.abspath(module)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('sbx', {package + '/__init__.py'!r}, "
+        f"submodule_search_locations=[{package!r}])\n"
         "S = importlib.util.module_from_spec(spec); sys.modules['sbx'] = S; spec.loader.exec_module(S)\n"
         "async def main():\n"
         "    sb = S.Sandbox(S.SandboxConfig(timeout_s=3, memory_bytes=256 << 20, max_processes=6))\n"
@@ -356,6 +357,7 @@ def test_unprivileged_user_namespace_mode():
         "asyncio.run(main())\n")
     out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-c", script],
                          capture_output=True, text=True, timeout=60, cwd="/")
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]  # a broken import is a failure, not a skip
     if "MODE userns" not in out.stdout:
         pytest.skip(f"unprivileged user namespaces unavailable here: {out.stdout} {out.stderr[-500:]}")
     assert "NET 101 FS True BOMB True" in out.stdout, out.stdout + out.stderr
