@@ -29,7 +29,7 @@ import asyncio
 import inspect
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from rlhforge.agents.single_turn import PromptRequest

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
 
     from rlhforge.cli.train_ppo_ray import run as run_rl
     from rlhforge.cli.train_sft import run as run_sft
-    from rlhforge.config.components import AdamConfig, CkptConfig, EvalConfig, LoggerConfig, ModelConfig
+    from rlhforge.config.components import AdamConfig, CkptConfig, LoggerConfig, ModelConfig
     from rlhforge.config.components import OptimConfig, TrainConfig
     from rlhforge.config.rl import (ActorConfig, AlgoConfig, AdvantageConfig, KLConfig, RLCkptConfig, RLConfig,
                                     RLDataConfig, RLEvalConfig, RLTrainConfig, RewardConfig, RolloutConfig)

@@ -32,7 +32,7 @@ RM_LEGACY_ALIASES: dict[str, str] = {
 
 def load_preference_data(cfg, tokenizer, *, force_eos: bool, use_margin: bool):
     """Training and eval pairs (eval from ``eval.dataset`` or a held-out fraction)."""
-    from rlhforge.data.loading import load_dataset_spec
+    from rlhforge.data.loading import load_train_and_eval
     from rlhforge.data.preference import build_preference_samples
 
     d = cfg.data
@@ -41,14 +41,7 @@ def load_preference_data(cfg, tokenizer, *, force_eos: bool, use_margin: bool):
         use_margin=use_margin, input_template=None if d.apply_chat_template else d.input_template,
         apply_chat_template=d.apply_chat_template, max_len=d.max_len, force_eos=force_eos,
     )
-    train = load_dataset_spec(d.dataset, d.dataset_probs, d.dataset_split, d.max_samples, seed=cfg.train.seed)
-    evals = None
-    if cfg.eval.dataset:
-        evals = load_dataset_spec(cfg.eval.dataset, None, cfg.eval.split, cfg.eval.max_samples, seed=cfg.train.seed)
-    elif cfg.eval.holdout_ratio > 0:
-        n_eval = max(1, int(len(train) * cfg.eval.holdout_ratio))
-        evals = train.select(range(len(train) - n_eval, len(train)))
-        train = train.select(range(len(train) - n_eval))
+    train, evals = load_train_and_eval(d, cfg.eval, seed=cfg.train.seed)
     train_samples = build_preference_samples(train, tokenizer, **kwargs)
     eval_samples = build_preference_samples(evals, tokenizer, **kwargs) if evals is not None else []
     return train_samples, eval_samples

@@ -17,7 +17,7 @@ CONFIG_CLASS = SFTConfig
 
 def load_sft_data(cfg: SFTConfig, tokenizer):
     """Training and eval samples (eval from ``eval.dataset`` or a held-out fraction)."""
-    from rlhforge.data.loading import load_dataset_spec
+    from rlhforge.data.loading import load_train_and_eval
     from rlhforge.data.sft import build_sft_samples
 
     d = cfg.data
@@ -26,14 +26,7 @@ def load_sft_data(cfg: SFTConfig, tokenizer):
         apply_chat_template=d.apply_chat_template, multiturn=d.multiturn,
         pretrain_mode=cfg.model.pretrain_mode_enable, max_len=d.max_len,
     )
-    train = load_dataset_spec(d.dataset, d.dataset_probs, d.dataset_split, d.max_samples, seed=cfg.train.seed)
-    evals = None
-    if cfg.eval.dataset:
-        evals = load_dataset_spec(cfg.eval.dataset, None, cfg.eval.split, cfg.eval.max_samples, seed=cfg.train.seed)
-    elif cfg.eval.holdout_ratio > 0:
-        n_eval = max(1, int(len(train) * cfg.eval.holdout_ratio))
-        evals = train.select(range(len(train) - n_eval, len(train)))
-        train = train.select(range(len(train) - n_eval))
+    train, evals = load_train_and_eval(d, cfg.eval, seed=cfg.train.seed)
     train_samples = build_sft_samples(train, tokenizer, **kwargs)
     eval_samples = build_sft_samples(evals, tokenizer, **kwargs) if evals is not None else []
     return train_samples, eval_samples

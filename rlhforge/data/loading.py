@@ -48,7 +48,7 @@ from rlhforge.data.errors import DataError
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
-__all__ = ["load_dataset_spec", "parse_probs", "SUPPORTED_EXTENSIONS", "SOURCE_COLUMN", "INDEX_COLUMN"]
+__all__ = ["load_dataset_spec", "load_train_and_eval", "parse_probs", "SUPPORTED_EXTENSIONS", "SOURCE_COLUMN", "INDEX_COLUMN"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,19 @@ def load_dataset_spec(
     if max_samples is not None and len(dataset) > max_samples:
         dataset = dataset.select(range(max_samples))
     return dataset
+
+
+def load_train_and_eval(data_cfg, eval_cfg, seed: int):
+    """Training records from ``--data.*`` and eval records from ``--eval.dataset``, or the last
+    ``--eval.holdout_ratio`` of the training records (None when neither is set)."""
+    train = load_dataset_spec(data_cfg.dataset, data_cfg.dataset_probs, data_cfg.dataset_split,
+                              data_cfg.max_samples, seed=seed)
+    if eval_cfg.dataset:
+        return train, load_dataset_spec(eval_cfg.dataset, None, eval_cfg.split, eval_cfg.max_samples, seed=seed)
+    if eval_cfg.holdout_ratio > 0:
+        n_eval = max(1, int(len(train) * eval_cfg.holdout_ratio))
+        return train.select(range(len(train) - n_eval)), train.select(range(len(train) - n_eval, len(train)))
+    return train, None
 
 
 def parse_probs(probs: str, entries: list[str]) -> list[float]:

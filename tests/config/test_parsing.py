@@ -82,44 +82,13 @@ def test_batch_plan_arithmetic():
         plan_batches(num_samples=5, batch_size=8, micro_batch_size=1, world_size=1, max_epochs=1)
 
 
-def _reference_flags(command: str) -> list[tuple[str, str, str]]:
-    """(flag, type/action, choices) rows of one command's table in the OpenRLHF 0.11.2 reference."""
-    from pathlib import Path
-
-    ref = Path(__file__).parents[3] / "shared" / "reference" / "openrlhf-cli.md"
-    if not ref.is_file():
-        pytest.skip("shared/reference is not beside this checkout")
-    text = ref.read_text().split(f"### {command} (")[1].split("\n### ")[0]
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| --")]
-    return [(r[0], r[1], r[3]) for r in rows]
-
-
-# Values that are valid for our validation too (a placeholder "x" is not a valid template, etc.).
-_VALUES = {"--adam.betas": ["0.9", "0.95"], "--data.input_template": ["Q: {} A:"], "--data.dataset_probs": ["1.0"],
-           "--ds.lora.target_modules": ["q_proj", "v_proj"], "--lr_scheduler": ["cosine"]}
-
-
 def test_every_openrlhf_sft_flag_is_accepted():
     """Each train_sft flag parses; a value our validation refuses gets a message naming the flag."""
-    rows = _reference_flags("train_sft")
-    assert len(rows) == 77
-    for flag, kind, choices in rows:
-        if flag in ("--model.model_name_or_path", "--data.dataset"):
-            continue
-        if flag in _VALUES:
-            values = _VALUES[flag]
-        elif choices:
-            values = [choices.strip("[]").split(",")[0].strip().strip("'")]
-        elif kind in ("store_true", "store_false"):
-            values = []
-        else:
-            values = {"int": ["2"], "float": ["0.5"], "str": ["x"]}[kind]
-        try:
-            parse_args(SFTConfig, BASE + [flag, *values])
-        except ConfigError as err:  # a validation message that names the flag (e.g. "not supported yet")
-            assert flag.split(".")[-1].lstrip("-") in str(err), (flag, err)
-        except SystemExit as err:
-            raise AssertionError(f"{flag} {values} was rejected by the parser") from err
+    from tests.flag_tables import check_every_flag
+
+    values = {"--adam.betas": ["0.9", "0.95"], "--data.input_template": ["Q {} A"], "--data.dataset_probs": ["1.0"],
+              "--ds.lora.target_modules": ["q_proj", "v_proj"], "--lr_scheduler": ["cosine"]}
+    check_every_flag(SFTConfig, "train_sft", 77, BASE, values)
 
 
 def test_unsupported_values_fail_clearly():

@@ -173,3 +173,22 @@ def test_builtin_entries(tmp_path):
     assert load_dataset_spec("builtin:reverse?n=5", split="test")[0]["_source"] == "builtin:reverse?n=5@test"
     with pytest.raises(DataError, match=r"unknown built-in dataset .nope.; available: .*arithmetic.*reverse"):
         load_dataset_spec("builtin:nope")
+
+
+def test_train_and_eval_from_a_holdout_or_a_file(tmp_path):
+    from types import SimpleNamespace
+
+    from rlhforge.data.loading import load_train_and_eval
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input": f"q{i}", "output": f"a{i}"}) + "\n" for i in range(8)))
+    d = SimpleNamespace(dataset=str(data), dataset_probs=None, dataset_split="train", max_samples=None)
+    held = SimpleNamespace(dataset=None, holdout_ratio=0.25, split="train", max_samples=None)
+    train, evals = load_train_and_eval(d, held, seed=0)
+    # 8 x 0.25 = 2 held out: the last two records, disjoint from training
+    assert train["input"] == [f"q{i}" for i in range(6)] and evals["input"] == ["q6", "q7"]
+    none = SimpleNamespace(dataset=None, holdout_ratio=0.0, split="train", max_samples=None)
+    assert load_train_and_eval(d, none, seed=0)[1] is None
+    other = SimpleNamespace(dataset=str(data), holdout_ratio=0.5, split="train", max_samples=3)
+    train, evals = load_train_and_eval(d, other, seed=0)  # an eval file wins over the holdout
+    assert len(train) == 8 and evals["input"] == ["q0", "q1", "q2"]

@@ -210,13 +210,9 @@ def test_serve_rm_flags(rm_dir):
 
 
 def test_every_openrlhf_serve_rm_flag_is_accepted():
-    from pathlib import Path
+    from tests.flag_tables import openrlhf_flag_rows
 
-    ref = Path(__file__).parents[3] / "shared" / "reference" / "openrlhf-cli.md"
-    if not ref.is_file():
-        pytest.skip("shared/reference is not beside this checkout")
-    text = ref.read_text().split("### serve_rm (")[1].split("\n### ")[0]
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| --")]
+    rows = openrlhf_flag_rows("serve_rm")
     assert len(rows) == 14
     base = ["--reward.model_name_or_path", "m"]
     for flag, kind, _default, choices, _nargs in rows:
