@@ -46,8 +46,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from rlhforge.data.errors import DataError, describe_value
-from rlhforge.data.records import RecordRef, get_field, get_messages, get_text, record_ref
+from rlhforge.data.errors import describe_value
+from rlhforge.data.records import RecordRef, check_truncation_drops, get_field, get_messages, get_text, record_ref
 from rlhforge.data.templates import check_input_template, encode_prompt, encode_text, render_chat, tokenize_conversation
 
 __all__ = ["PreferenceSample", "build_preference_samples", "preference_sample_from_record", "collate_pairs"]
@@ -132,17 +132,7 @@ def build_preference_samples(
             dropped.append(ref)
             continue
         samples.append(sample)
-    if dropped:
-        examples = "; ".join(repr(r) for r in dropped[:3])
-        if not samples:
-            raise DataError(
-                f"all {len(dropped)} pairs have a response that starts beyond max_len={max_len} tokens "
-                f"(e.g. {examples}); raise max_len or shorten the prompts"
-            )
-        logger.warning(
-            "dropped %d of %d preference pairs whose chosen or rejected response starts beyond max_len=%d tokens (e.g. %s)",
-            len(dropped), len(dropped) + len(samples), max_len, examples,
-        )
+    check_truncation_drops(dropped, len(samples), what="preference pairs", max_len=max_len, logger=logger)
     return samples
 
 

@@ -116,3 +116,19 @@ def get_messages(
         # drop those so templates testing `message.name is defined` behave as on the raw JSON
         out.append({k: v for k, v in message.items() if v is not None or k in ("role", "content")})
     return out
+
+
+def check_truncation_drops(dropped: list, kept: int, *, what: str, max_len: int, logger) -> None:
+    """Samples whose targets all lie beyond ``max_len`` are dropped: warn with examples, or fail
+    naming them when nothing is left (``what``: e.g. "SFT samples", "preference pairs")."""
+    if not dropped:
+        return
+    examples = "; ".join(repr(r) for r in dropped[:3])
+    if not kept:
+        raise DataError(
+            f"all {len(dropped)} {what} have their response beyond max_len={max_len} tokens "
+            f"(e.g. {examples}); raise max_len or shorten the prompts"
+        )
+    logger.warning("dropped %d of %d %s whose response starts beyond max_len=%d tokens (e.g. %s)",
+                   len(dropped), len(dropped) + kept, what, max_len, examples)
+

@@ -50,8 +50,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from rlhforge.data.errors import DataError
-from rlhforge.data.records import RecordRef, get_field, get_messages, get_text, record_ref
+from rlhforge.data.records import RecordRef, check_truncation_drops, get_field, get_messages, get_text, record_ref
 from rlhforge.data.templates import (
     check_input_template,
     encode_prompt,
@@ -139,17 +138,7 @@ def build_sft_samples(
             dropped.append(ref)
             continue
         samples.append(sample)
-    if dropped:
-        examples = "; ".join(repr(r) for r in dropped[:3])
-        if not samples:
-            raise DataError(
-                f"all {len(dropped)} samples have their response beyond max_len={max_len} tokens "
-                f"(e.g. {examples}); raise max_len or shorten the prompts"
-            )
-        logger.warning(
-            "dropped %d of %d SFT samples whose response starts beyond max_len=%d tokens (e.g. %s)",
-            len(dropped), len(dropped) + len(samples), max_len, examples,
-        )
+    check_truncation_drops(dropped, len(samples), what="SFT samples", max_len=max_len, logger=logger)
     return samples
 
 

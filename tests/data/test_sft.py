@@ -121,7 +121,7 @@ def test_truncation_keeps_the_start_and_drops_samples_without_targets(tok, caplo
     assert cut[0].input_ids == full[0].input_ids[:max_len] and cut[0].loss_mask == full[0].loss_mask[:max_len]
     assert sum(cut[0].loss_mask) == 3
     assert "dropped 1 of 2 SFT samples" in caplog.text and "record 1" in caplog.text
-    with pytest.raises(DataError, match=r"all 1 samples have their response beyond max_len"):
+    with pytest.raises(DataError, match=r"all 1 SFT samples have their response beyond max_len"):
         build_sft_samples(records[1:], tok, output_key="output", max_len=max_len)
 
 

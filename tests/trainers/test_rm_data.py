@@ -110,7 +110,7 @@ def test_truncation_keeps_eos_for_reward_models_and_drops_empty_pairs(tok, caplo
     assert len(rm[0].chosen_ids) == 12 and rm[0].chosen_ids[-1] == tok.eos_token_id
     dpo = build_preference_samples(records[:1], tok, prompt_key="prompt", max_len=12)
     assert dpo[0].chosen_ids[-1] != tok.eos_token_id  # DPO never trains on a fake EOS
-    with pytest.raises(DataError, match="all 1 pairs"):
+    with pytest.raises(DataError, match="all 1 preference pairs"):
         build_preference_samples(records[1:], tok, prompt_key="prompt", max_len=12)
 
 
