@@ -1,9 +1,11 @@
 """RL training (PPO family). ``python -m rlhforge.cli.train_ppo_ray`` (OpenRLHF's module name) or ``rlhforge rl``.
 
-Same flags as OpenRLHF's ``train_ppo_ray`` for every feature rlhforge has (see docs/rl.md). All
-models run in this process (actor, reference, critic, reward model, and the generation engine: HF
-by default, vLLM with ``--vllm.num_engines N``, see docs/vllm.md); Ray workers come with the
-distributed issue, and their flags fail with a clear message until then.
+Same flags as OpenRLHF's ``train_ppo_ray`` for every feature rlhforge has (see docs/rl.md). By
+default all models run in this process; with more than one worker per model (``--actor.num_nodes``
+x ``--actor.num_gpus_per_node`` ...) or ``--train.workers ray`` the actor, critic and reference run
+as Ray actor groups (docs/distributed.md). This process is the driver either way: it generates
+(HF engine by default, vLLM with ``--vllm.num_engines N``, docs/vllm.md), scores, and calls the
+worker groups.
 """
 
 from __future__ import annotations
@@ -57,13 +59,17 @@ def build_trainer(cfg: RLConfig):
     from rlhforge.trainers.common import seed_everything
     from rlhforge.trainers.rl import RLTrainer
     from rlhforge.trainers.rl_data import load_prompts
+    from rlhforge.config.rl_rules import uses_ray
     from rlhforge.trainers.rl_workers import ActorWorker, CriticWorker, InProcessGroup, RefWorker
     from rlhforge.tracking.metrics import MetricsLogger
-    from rlhforge.backend.device import dist_info
+    from rlhforge.backend.device import dist_info, resolve_device
 
     if dist_info().world_size > 1:
-        raise ConfigError("rlhforge rl runs all models in one process for now; launch it without torchrun/deepspeed "
-                          "(distributed RL with Ray workers is a later feature)")
+        raise ConfigError("rlhforge rl is a single controller: launch one process (not torchrun/deepspeed); "
+                          "for several ranks per model use Ray workers (--actor.num_gpus_per_node N, "
+                          "docs/distributed.md)")
+    ray_mode = uses_ray(cfg)
+    world = cfg.actor.num_nodes * cfg.actor.num_gpus_per_node if ray_mode else 1
     seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
     tokenizer = load_tokenizer(cfg.actor.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
                                use_fast=not cfg.data.disable_fast_tokenizer)
@@ -73,15 +79,24 @@ def build_trainer(cfg: RLConfig):
     plan = plan_rl_batches(
         rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
         train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
-        rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=1, num_prompts=len(prompts),
+        rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=world, num_prompts=len(prompts),
         num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps,
     )
-    actor_w = ActorWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps)
-    device = actor_w.device
-    actor = InProcessGroup(actor_w)
-    ref = InProcessGroup(RefWorker(cfg, tokenizer, device)) if cfg.uses_ref else None
-    critic = InProcessGroup(CriticWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps)) \
-        if cfg.uses_critic else None
+    placement = None
+    if ray_mode:
+        from rlhforge.distributed.launch import build_ray_groups
+
+        actor, ref, critic, placement = build_ray_groups(cfg, tokenizer, plan)
+        device = resolve_device(cfg.train.device)  # the driver's: reward model and HF engine
+        strategy_name = f"{cfg.ds.strategy}/ZeRO-{cfg.ds.zero_stage} in Ray workers ({placement.describe()})"
+    else:
+        actor_w = ActorWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps)
+        device = actor_w.device
+        actor = InProcessGroup(actor_w, "actor")
+        ref = InProcessGroup(RefWorker(cfg, tokenizer, device), "ref") if cfg.uses_ref else None
+        critic = InProcessGroup(CriticWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps), "critic") \
+            if cfg.uses_critic else None
+        strategy_name = f"{type(actor_w.strategy).__name__} on {device}"
     reward_source = None
     if cfg.reward.remote_url or cfg.reward.model_name_or_path or not cfg.train.agent_func_path:
         reward_source = build_reward_source(cfg, device=device, pad_token_id=tokenizer.pad_token_id)
@@ -92,6 +107,9 @@ def build_trainer(cfg: RLConfig):
         from rlhforge.rollout.vllm_engine import build_vllm_engines
 
         engine = build_vllm_engines(cfg, tokenizer, max_model_len=_vllm_max_model_len(cfg, prompts, eval_prompts))
+    elif ray_mode:  # the driver's own copy of the policy, synced from the actor group after each step
+        engine = HFEngine.from_pretrained(cfg.actor.model_name_or_path, tokenizer, device=device,
+                                          batch_size=cfg.rollout.generate_batch_size)
     else:
         engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size)
     out = Path(cfg.ckpt.output_dir)
@@ -101,8 +119,9 @@ def build_trainer(cfg: RLConfig):
           f"{cfg.rollout.batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, "
           f"{plan.updates_per_step} optimizer steps each; models: actor{' + ref' if ref else ''}"
           f"{' + critic' if critic else ''}; reward: {reward_source.name if reward_source else 'from the agent'}"
-          f"{f'; agent: {executor.name}' if cfg.train.agent_func_path else ''}; {type(actor_w.strategy).__name__} on {device}"
-          f"; generation: {f'{cfg.vllm.num_engines} vLLM engine(s)' if cfg.vllm.num_engines else 'HF engine'}")
+          f"{f'; agent: {executor.name}' if cfg.train.agent_func_path else ''}; {strategy_name}"
+          f"; generation: {f'{cfg.vllm.num_engines} vLLM engine(s)' if cfg.vllm.num_engines else 'HF engine'}"
+          f"{f'; async (queue {cfg.train.async_queue_size})' if cfg.train.async_enable else ''}")
     logger = MetricsLogger(out, cfg.logger, enabled=True, config=to_dict(cfg))
     trainer = RLTrainer(cfg, tokenizer, prompts, eval_prompts, plan, actor=actor, ref=ref, critic=critic,
                         engine=engine, reward_source=reward_source, logger=logger, run_dir=out, executor=executor)
@@ -123,6 +142,8 @@ def _vllm_max_model_len(cfg: RLConfig, prompts, eval_prompts) -> int:
 
 def run(cfg: RLConfig) -> Path:
     """Train and export; returns the output folder."""
+    from rlhforge.distributed.groups import InProcessGroup
+
     trainer = build_trainer(cfg)
     try:
         trainer.fit()
@@ -130,6 +151,10 @@ def run(cfg: RLConfig) -> Path:
         trainer.logger.close()
         getattr(trainer.executor, "close", lambda: None)()
         getattr(trainer.engine, "close", lambda: None)()  # vLLM engines: stop their engine cores
+        if not isinstance(trainer.actor, InProcessGroup):
+            from rlhforge.distributed.launch import close_groups
+
+            close_groups(trainer.actor, trainer.ref, trainer.critic)
     return Path(cfg.ckpt.output_dir)
 
 
@@ -137,6 +162,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
     from rlhforge.cli.errors import user_errors
     from rlhforge.agents.episode import AgentError
     from rlhforge.rewards.base import RewardError
+    from rlhforge.distributed.groups import WorkerError
 
     with user_errors(prog):
         cfg = parse_rl_args(argv, prog=prog)
@@ -148,6 +174,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
         except AgentError as err:
             print(f"{prog}: error: agent failed: {err}", file=sys.stderr)
             raise SystemExit(3) from None
+        except WorkerError as err:
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            raise SystemExit(4) from None
     return 0
 
 

@@ -47,9 +47,10 @@ class _ModelOptim:
     max_norm: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     num_nodes: int = 1
-    """Ray placement (not built yet: must stay 1)."""
-    num_gpus_per_node: int = 8
-    """Ray placement (not built yet; ignored by the in-process workers)."""
+    """Nodes of this model's Ray worker group (workers = num_nodes x num_gpus_per_node)."""
+    num_gpus_per_node: int = 1
+    """Workers (data-parallel ranks, one device each) per node; OpenRLHF's default is 8. More than
+    one worker in any group runs the models as Ray actor groups (docs/distributed.md)."""
     gradient_checkpointing_enable: bool = False
     """Recompute activations in the backward pass."""
     gradient_checkpointing_reentrant: bool = False
@@ -108,9 +109,9 @@ class RefConfig:
     """Reference policy (a frozen copy of the initial actor; created only when ``algo.kl.init_coef > 0``)."""
 
     num_nodes: int = 1
-    """Ray placement (not built yet: must stay 1)."""
-    num_gpus_per_node: int = 8
-    """Ray placement (not built yet; ignored)."""
+    """Nodes of the reference model's Ray worker group."""
+    num_gpus_per_node: int = 1
+    """Reference workers per node (replicas; each computes the log-probs of its shard). OpenRLHF: 8."""
     offload: bool = False
     """Offload the reference model to CPU between uses (not supported yet)."""
 
@@ -138,9 +139,9 @@ class RewardConfig:
     offload: bool = False
     """Offload the reward model between uses (not supported yet)."""
     num_nodes: int = 1
-    """Ray placement (not built yet: must stay 1)."""
-    num_gpus_per_node: int = 8
-    """Ray placement (not built yet; ignored)."""
+    """A reward model runs in the driver process (one worker): must stay 1."""
+    num_gpus_per_node: int = 1
+    """A reward model runs in the driver process (one worker): must stay 1. OpenRLHF: 8."""
 
 
 @dataclass(frozen=True)
@@ -214,19 +215,25 @@ class RLTrainConfig:
     full_determinism_enable: bool = False
     """Use deterministic algorithms."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device of the in-process workers. rlhforge-specific."""
+    """Device of the workers (auto: cuda when available). rlhforge-specific."""
+    workers: Literal["auto", "local", "ray"] = "auto"
+    """Where the models run: ``local`` (all in this process), ``ray`` (Ray actor groups, one per
+    model, ``num_nodes x num_gpus_per_node`` ranks each), ``auto`` (ray when any group has more than
+    one worker or ``RAY_ADDRESS`` names a cluster). rlhforge-specific; docs/distributed.md."""
     colocate_actor_ref: bool = False
-    """Placement hint (in-process workers always share one device; accepted)."""
+    """Ray: actor and reference share one placement group (equal sizes)."""
     colocate_critic_reward: bool = False
-    """Placement hint (in-process workers always share one device; accepted)."""
+    """Ray: critic and reward model share devices (the reward model runs in the driver: accepted)."""
     colocate_all: bool = False
-    """Placement hint (in-process workers always share one device; accepted)."""
+    """Ray: actor, ref and critic share one placement group (the hybrid engine); needed on a CPU
+    cluster smaller than the sum of the groups."""
     async_enable: bool = False
-    """Asynchronous rollout/training (not built yet)."""
+    """Generate the next batches while training on this one (staleness <= async_queue_size)."""
     async_queue_size: int = 1
-    """Async queue size (not built yet)."""
+    """Async: how many weight versions generation may run ahead of training (>= 1)."""
     partial_rollout_enable: bool = False
-    """Partial rollouts (not built yet)."""
+    """Async: weight syncs pause in-flight generation (between decoding steps) instead of waiting
+    for the batch to finish; generation resumes with the new weights (HF engine)."""
     agent_func_path: str | None = None
     """Agent file (docs/agents.md): a multi-turn environment (``AgentInstance``/``AgentExecutor``,
     OpenRLHF's API), an OpenAI-client agent (``run_agent(prompt, label, client)``) or task/env

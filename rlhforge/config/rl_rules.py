@@ -12,22 +12,14 @@ _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
     ("vllm", "sync_with_ray"): (False, "vLLM weight sync through Ray"),
     ("rollout", "vllm_generate_batch_size"): (None, "vLLM generate batch size"),
     ("rollout", "max_tokens_per_gpu"): (None, "token-budget log-prob passes"),
-    ("train", "async_enable"): (False, "asynchronous training"),
-    ("train", "async_queue_size"): (1, "asynchronous training"),
-    ("train", "partial_rollout_enable"): (False, "partial rollouts (async)"),
     ("train", "dynamic_batch_enable"): (False, "dynamic (token-budget) batching in RL"),
     ("train", "enable_ema"): (False, "EMA of the actor"),
-    ("actor", "num_nodes"): (1, "Ray placement over several nodes"),
-    ("critic", "num_nodes"): (1, "Ray placement over several nodes"),
-    ("ref", "num_nodes"): (1, "Ray placement over several nodes"),
-    ("reward", "num_nodes"): (1, "Ray placement over several nodes"),
     ("ref", "offload"): (False, "reference-model offload"),
     ("reward", "offload"): (False, "reward-model offload"),
     ("actor", "aux_loss_coef"): (0.0, "the MoE auxiliary loss in RL"),
     ("actor", "freeze_visual_encoder"): (False, "vision-language models"),
     ("data", "max_images_per_prompt"): (0, "vision-language models"),
     ("algo", "dynamic_filtering_range"): (None, ""),  # checked below (has a real meaning)
-    ("ds", "enable_sleep"): (False, "DeepSpeed sleep (state offload between phases)"),
     ("ds", "use_universal_ckpt"): (False, "DeepSpeed universal checkpoints"),
     ("ds", "deepcompile"): (False, "DeepSpeed DeepCompile"),
     ("ds", "use_liger_kernel"): (False, "Liger kernels"),
@@ -66,6 +58,7 @@ def validate_rl(cfg: RLConfig) -> None:
                 f"(leave it at {default}; one process with the HF engine runs everything)"
             )
     _validate_vllm(cfg)
+    _validate_distributed(cfg)
     t = cfg.train
     if t.agent_step_timeout <= 0 or t.agent_episode_timeout <= 0:
         raise ConfigError(f"--train.agent_step_timeout and --train.agent_episode_timeout must be > 0 "
@@ -134,6 +127,59 @@ def validate_rl(cfg: RLConfig) -> None:
                     train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
                     rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=1, num_prompts=None,
                     num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs)
+
+
+def uses_ray(cfg: RLConfig) -> bool:
+    """Whether the models run as Ray actor groups (``--train.workers``)."""
+    import os
+
+    if cfg.train.workers != "auto":
+        return cfg.train.workers == "ray"
+    sizes = [cfg.actor.num_nodes * cfg.actor.num_gpus_per_node]
+    if cfg.uses_critic:
+        sizes.append(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
+    if cfg.uses_ref:
+        sizes.append(cfg.ref.num_nodes * cfg.ref.num_gpus_per_node)
+    return max(sizes) > 1 or bool(os.environ.get("RAY_ADDRESS"))
+
+
+def _validate_distributed(cfg: RLConfig) -> None:
+    t = cfg.train
+    for name in ("actor", "critic", "ref"):
+        sec = getattr(cfg, name)
+        if sec.num_nodes < 1 or sec.num_gpus_per_node < 1:
+            raise ConfigError(f"--{name}.num_nodes and --{name}.num_gpus_per_node must be >= 1 "
+                              f"(got {sec.num_nodes} and {sec.num_gpus_per_node})")
+    if t.async_queue_size < 1:
+        raise ConfigError(f"--train.async_queue_size must be >= 1 (got {t.async_queue_size})")
+    if (t.async_queue_size != 1 or t.partial_rollout_enable) and not t.async_enable:
+        which = "--train.partial_rollout_enable" if t.partial_rollout_enable else "--train.async_queue_size"
+        raise ConfigError(f"{which} needs --train.async_enable")
+    if t.partial_rollout_enable and cfg.vllm.num_engines:
+        raise ConfigError("--train.partial_rollout_enable pauses generation between decoding steps, which the HF "
+                          "engine does; with --vllm.num_engines the generator finishes each batch before a weight "
+                          "sync (drop --train.partial_rollout_enable)")
+    if cfg.reward.model_name_or_path and cfg.reward.num_nodes * cfg.reward.num_gpus_per_node > 1:
+        print(f"[rlhforge] note: the reward model runs in the driver process on one device; --reward.num_nodes "
+              f"{cfg.reward.num_nodes} x --reward.num_gpus_per_node {cfg.reward.num_gpus_per_node} is not used")
+    world = cfg.actor.num_nodes * cfg.actor.num_gpus_per_node
+    if uses_ray(cfg):
+        if cfg.ds.lora.rank > 0:
+            raise ConfigError("LoRA (--ds.lora.rank) with Ray worker groups needs merged-LoRA weight sync, which "
+                              "rlhforge does not have yet; train LoRA with one worker (--train.workers local)")
+        per_step = cfg.train.batch_size
+        groups = [("actor", world)]
+        if cfg.uses_critic:
+            groups.append(("critic", cfg.critic.num_nodes * cfg.critic.num_gpus_per_node))
+        for name, n in groups:
+            if per_step % (cfg.train.micro_batch_size * n):
+                raise ConfigError(
+                    f"--train.batch_size {per_step} must be divisible by --train.micro_batch_size x {name} workers "
+                    f"({cfg.train.micro_batch_size} x {n} = {cfg.train.micro_batch_size * n})")
+    elif t.workers == "local" and world > 1:
+        raise ConfigError(f"--train.workers local runs one worker per model, but the actor asks for {world} "
+                          f"(--actor.num_nodes {cfg.actor.num_nodes} x --actor.num_gpus_per_node "
+                          f"{cfg.actor.num_gpus_per_node}); use --train.workers ray")
 
 
 def _validate_vllm(cfg: RLConfig) -> None:

@@ -6,11 +6,17 @@ token by token with the model's ``DynamicCache``. Sampling (temperature, top-p, 
 here, per row, with a ``torch.Generator`` seeded from the request, so each request's tokens depend
 only on its prompt, parameters, seed and the weights - not on the other rows of the batch or on
 global RNG state. ``update_weights`` copies the trainer's state dict in (the weight sync).
+
+Each decoding step holds the engine's lock, and so does ``update_weights``: a weight sync from
+another thread (async training with ``--train.partial_rollout_enable``) lands between two decoding
+steps, and the in-flight responses continue with the new weights (their KV cache so far was
+computed with the old ones, as with vLLM's pause/resume).
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Iterable, Sequence
 
 import torch
@@ -49,6 +55,8 @@ class HFEngine:
         self.eos_token_ids = tuple(int(e) for e in eos)
         self.batch_size = batch_size
         self.device = next(model.parameters()).device
+        self._lock = threading.RLock()
+        self.weight_updates = 0
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64) -> "HFEngine":
@@ -72,7 +80,9 @@ class HFEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> None:
         state = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        with self._lock:
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            self.weight_updates += 1
         missing = [k for k in missing if k in dict(self.model.named_parameters())]
         if missing or unexpected:
             raise ValueError(f"weight sync: missing {missing[:5]}, unexpected {unexpected[:5]} (of {len(state)} tensors)")
@@ -128,8 +138,9 @@ class HFEngine:
         for _ in range(max_new):
             if all(done):
                 break
-            logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=position, past_key_values=cache,
-                                use_cache=True).logits[:, -1, :].float().cpu()
+            with self._lock:
+                logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=position,
+                                    past_key_values=cache, use_cache=True).logits[:, -1, :].float().cpu()
             next_ids = torch.full((n,), self.pad_token_id, dtype=torch.long)
             for row in range(n):
                 if done[row]:

@@ -19,8 +19,10 @@ in the prompt stream, so a resumed run reproduces the straight run exactly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +41,8 @@ from rlhforge.algorithms import (
     stop_properly_penalty,
 )
 from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from rlhforge.backend.device import peak_memory_bytes
 from rlhforge.config.batching import RLBatchPlan
+from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.trainers.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
 from rlhforge.trainers.rl_data import PromptStream
@@ -71,27 +73,28 @@ class RLState:
                 "kl_controller": self.kl_controller, "best_metric": self.best_metric, "best_step": self.best_step}
 
 
-class _CheckpointStrategies:
-    """Adapter so ``backend.checkpoint`` saves actor and critic state into one step folder."""
+class _CheckpointGroups:
+    """Adapter so ``backend.checkpoint`` saves actor and critic state into one step folder. The
+    trainer is the single controller: every rank of each group saves its shard through the group,
+    so the driver acts as rank 0 and needs no barrier (group calls return when all ranks are done)."""
+
+    rank, is_rank0 = 0, True
 
     def __init__(self, actor, critic=None):
         self.actor, self.critic = actor, critic
-        self.rank, self.is_rank0 = actor.rank, actor.is_rank0
 
     def barrier(self):
-        self.actor.barrier()
+        pass
 
     def save_state(self, directory: Path) -> None:
-        self.actor.save_state(directory)
+        self.actor.call("save_state", directory)
         if self.critic is not None:
-            sub = Path(directory) / "critic"
-            sub.mkdir(exist_ok=True)
-            self.critic.save_state(sub)
+            self.critic.call("save_state", Path(directory) / "critic")
 
     def load_state(self, directory: Path) -> None:
-        self.actor.load_state(directory)
+        self.actor.call("load_state", directory)
         if self.critic is not None:
-            self.critic.load_state(Path(directory) / "critic")
+            self.critic.call("load_state", Path(directory) / "critic")
 
 
 def _mean(xs) -> float:
@@ -121,7 +124,8 @@ class RLTrainer:
         self.stream = PromptStream(len(prompts), cfg.train.seed)
         self.max_new_tokens = cfg.rollout.max_new_tokens or max(1, cfg.data.max_len - max(len(p.ids) for p in prompts))
         self.loss_spec = self._loss_spec()
-        self._loop = asyncio.new_event_loop()
+        self._loops = threading.local()  # one asyncio loop per thread (the async generator has its own)
+        self.engine_lock = threading.Lock()  # generation vs weight sync (async mode)
 
     # ------------------------------------------------------------------------------------ setup
     def _loss_spec(self) -> PolicyLossSpec:
@@ -148,7 +152,23 @@ class RLTrainer:
         )
 
     def _run(self, coro):
-        return self._loop.run_until_complete(coro)
+        loop = getattr(self._loops, "loop", None)
+        if loop is None:
+            loop = self._loops.loop = asyncio.new_event_loop()
+        return loop.run_until_complete(coro)
+
+    def _rollout_source(self):
+        t = self.cfg.train
+        if not t.async_enable:
+            return SyncRollouts(self.rollout)
+        return AsyncRollouts(self.rollout, queue_size=t.async_queue_size, total=self.plan.total_steps,
+                             engine_lock=self.engine_lock, partial=t.partial_rollout_enable)
+
+    def _engine_guard(self):
+        """Hold the engine between generation and weight sync, unless partial rollouts interleave them."""
+        if self.cfg.train.async_enable and not self.cfg.train.partial_rollout_enable:
+            return self.engine_lock
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------ the loop
     def fit(self) -> None:
@@ -159,8 +179,23 @@ class RLTrainer:
                        enabled=progress_enabled(cfg.logger.progress_bar, True), desc="rl")
         if cfg.eval.steps > 0 and self.eval_prompts and self.state.global_step == 0:
             self.logger.log(0, self.evaluate())
+        self.rollouts = self._rollout_source()
+        self.rollouts.start(self.state.global_step, self.state.global_step)
+        try:
+            self._loop_steps(bar)
+        finally:
+            self.rollouts.close()
+        bar.close()
+        if not cfg.ckpt.disable_ds and cfg.ckpt.save_steps > 0:
+            self.save_checkpoint()
+        self.actor.call("save_hf", cfg.ckpt.output_dir)
+        if self.critic is not None and cfg.critic.save_value_network:
+            self.critic.call("save_hf", Path(cfg.ckpt.output_dir) / "critic")
+
+    def _loop_steps(self, bar) -> None:
+        cfg, plan = self.cfg, self.plan
         while self.state.global_step < plan.total_steps:
-            metrics = self.step()
+            metrics = self.step(self.rollouts.next(self.state.global_step))
             step = self.state.global_step
             if cfg.eval.steps > 0 and self.eval_prompts and (step % cfg.eval.steps == 0 or step == plan.total_steps):
                 t = time.perf_counter()
@@ -168,37 +203,37 @@ class RLTrainer:
                 metrics["timing/eval"] = time.perf_counter() - t
                 self._update_best(metrics)
             if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
-                metrics["perf/peak_memory_gb"] = peak_memory_bytes(self.actor.local.device) / 2**30
+                metrics["perf/peak_memory_gb"] = max(self.actor.call("peak_memory_gb"))
                 self.logger.log(step, metrics)
             bar.update(1, reward=round(metrics["rollout/reward_mean"], 3))
             if (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps
                     and not cfg.ckpt.disable_ds):
                 self.save_checkpoint()
-        bar.close()
-        if not cfg.ckpt.disable_ds and cfg.ckpt.save_steps > 0:
-            self.save_checkpoint()
-        self.actor.local.save_hf(cfg.ckpt.output_dir)
-        if self.critic is not None and cfg.critic.save_value_network:
-            self.critic.local.save_hf(Path(cfg.ckpt.output_dir) / "critic")
 
-    def step(self) -> dict[str, float]:
-        """One RL step; returns its metrics."""
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One RL step on a generated batch; returns its metrics."""
         t0 = time.perf_counter()
-        trajs, metrics = self.rollout()
+        trajs, metrics = batch.trajs, dict(batch.metrics)
+        self.state.prompt_position = batch.stream_position
+        metrics.update({"async/staleness": float(self.state.global_step - batch.version_start),
+                        "async/staleness_at_end": float(self.state.global_step - batch.version_end),
+                        "async/weights_version": float(batch.version_start),
+                        "timing/wait_rollout": batch.extra.get("wait_s", batch.generation_s)})
         t1 = time.perf_counter()
         samples, exp_metrics = self.make_experience(trajs)
         metrics.update(exp_metrics)
         t2 = time.perf_counter()
         metrics.update(self.train(samples))
         t3 = time.perf_counter()
+        self.state.global_step += 1
         self.sync_weights()
         t4 = time.perf_counter()
-        self.state.global_step += 1
         tokens = sum(len(s) for s in samples)
+        step_s = t4 - t0 + (0.0 if self.cfg.train.async_enable else batch.generation_s)
         metrics.update({
-            "timing/generation": t1 - t0, "timing/experience": t2 - t1, "timing/training": t3 - t2,
-            "timing/weight_sync": t4 - t3, "timing/step": t4 - t0,
-            "perf/tokens_per_s": tokens / max(t4 - t0, 1e-9), "perf/samples_per_s": len(samples) / max(t4 - t0, 1e-9),
+            "timing/generation": batch.generation_s, "timing/experience": t2 - t1, "timing/training": t3 - t2,
+            "timing/weight_sync": t4 - t3, "timing/step": step_s,
+            "perf/tokens_per_s": tokens / max(step_s, 1e-9), "perf/samples_per_s": len(samples) / max(step_s, 1e-9),
             "rollout/kl_coef": self.kl_ctl.value,
         })
         if self.state.global_step % self.cfg.logger.logging_steps == 0:
@@ -220,7 +255,9 @@ class RLTrainer:
         return reqs, params
 
     def rollout(self):
-        """Generate and score ``rollout.batch_size`` prompt groups (refilling past dynamic filtering)."""
+        """Generate and score ``rollout.batch_size`` prompt groups (refilling past dynamic filtering).
+        Returns ``(trajectories, metrics, prompt-stream position after them)``; runs in the trainer's
+        thread (sync) or in the generator thread (async), which then owns the prompt stream."""
         cfg = self.cfg
         n, need = cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size
         kept: list = []
@@ -231,7 +268,6 @@ class RLTrainer:
         while len(kept) < need and rounds <= cfg.algo.max_filter_refills:
             start = self.stream.position
             idx = self.stream.take(need - len(kept))
-            self.state.prompt_position = self.stream.position
             reqs, params = self._requests(idx, list(range(start, start + len(idx))), n, cfg.rollout.temperature,
                                           self.max_new_tokens, salt=0)
             trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
@@ -278,8 +314,7 @@ class RLTrainer:
                 _std(t.reward for t in all_trajs[g * n : (g + 1) * n]) for g in range(len(all_trajs) // n))
         for key in sorted({k for t in all_trajs for k in t.extra}):
             metrics[f"rollout/{key}"] = _mean(t.extra[key] for t in all_trajs if key in t.extra)
-        self._last_trajs = trajs
-        return trajs, metrics
+        return trajs, metrics, self.stream.position
 
     # ------------------------------------------------------------------------------------ experience
     def shaped_rewards(self, trajs) -> torch.Tensor:
@@ -299,14 +334,14 @@ class RLTrainer:
         rewards = self.shaped_rewards(trajs)
         samples = samples_from_trajectories(trajs, rewards.tolist())
         mb, temp = cfg.rollout.micro_batch_size, cfg.rollout.temperature
-        old = self.actor.call("logprobs", samples, mb, temp)[0]
+        old = self.actor.map_gather("logprobs", samples, mb, temp)
         for s, lp in zip(samples, old):
             s.tensors["old_logprobs"] = lp
         if self.ref is not None:
-            for s, lp in zip(samples, self.ref.call("logprobs", samples, mb, temp)[0]):
+            for s, lp in zip(samples, self.ref.map_gather("logprobs", samples, mb, temp)):
                 s.tensors["ref_logprobs"] = lp
         if self.critic is not None:
-            for s, v in zip(samples, self.critic.call("values", samples, mb)[0]):
+            for s, v in zip(samples, self.critic.map_gather("values", samples, mb)):
                 s.tensors["values"] = v
         lengths = [len(s) for s in samples]
         mask = pad_rows([torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples])
@@ -361,24 +396,38 @@ class RLTrainer:
         bs = cfg.train.batch_size
         actor_frozen = self.critic is not None and self.state.global_step < cfg.critic.freezing_steps
         sums: dict[str, list[float]] = {}
+        sleep = cfg.ds.enable_sleep
+        models = [g for g in (self.critic, self.actor) if g is not None]
+        if sleep:
+            for g in models:
+                g.call("reload_states")
         for epoch in range(cfg.train.max_epochs):
             g = torch.Generator().manual_seed(request_seed(cfg.train.seed, self.state.global_step, epoch, salt=99))
             order = torch.randperm(len(samples), generator=g).tolist()
             for start in range(0, len(order), bs):
                 chunk = [samples[i] for i in order[start : start + bs]]
                 if self.critic is not None:
-                    for k, v in self.critic.call("train_step", chunk, cfg.critic.value_clip)[0].items():
+                    for k, v in self.critic.map_train("train_step", chunk, cfg.critic.value_clip)[0].items():
                         sums.setdefault(f"critic/{k}", []).append(v)
                 if not actor_frozen:
-                    for k, v in self.actor.call("train_step", chunk, self.loss_spec)[0].items():
+                    for k, v in self.actor.map_train("train_step", chunk, self.loss_spec)[0].items():
                         sums.setdefault(f"actor/{k}", []).append(v)
+        if sleep:
+            for g in models:
+                g.call("offload_states")
         out = {k: _mean(v) for k, v in sums.items()}
         out["actor/frozen"] = float(actor_frozen)
         return out
 
     def sync_weights(self) -> None:
+        """Gather the actor's full weights (all ranks take part; rank 0 returns them) and load them into
+        the engines; then tell the rollout source which weights version the engines hold."""
         state = self.actor.call("full_state_dict")[0]
-        self.engine.update_weights(state)
+        with self._engine_guard():
+            self.engine.update_weights(state)
+        rollouts = getattr(self, "rollouts", None)
+        if rollouts is not None:
+            rollouts.synced(self.state.global_step)
 
     # ------------------------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -388,10 +437,11 @@ class RLTrainer:
         max_new = cfg.eval.max_new_tokens or self.max_new_tokens
         idx = list(range(len(self.eval_prompts)))
         reqs, params = self._requests(idx, idx, n, cfg.eval.temperature, max_new, salt=7, prompts=self.eval_prompts)
-        self.engine.wake_up()
-        trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
+        with self._engine_guard():
+            self.engine.wake_up()
+            trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
+            self.engine.sleep()
         trajs, _ = drop_failed_groups(trajs, n)
-        self.engine.sleep()
         by_source: dict[str, list[list]] = {}
         for g in range(len(trajs) // n):
             group = trajs[g * n : (g + 1) * n]
@@ -439,16 +489,14 @@ class RLTrainer:
                 }) + "\n")
 
     # ------------------------------------------------------------------------------------ checkpoints
-    def _ckpt_strategies(self) -> _CheckpointStrategies:
-        critic = self.critic.local.strategy if self.critic is not None else None
-        return _CheckpointStrategies(self.actor.local.strategy, critic)
+    def _ckpt_strategies(self) -> _CheckpointGroups:
+        return _CheckpointGroups(self.actor, self.critic)
 
     def save_checkpoint(self) -> Path:
         cfg = self.cfg
         self.state.kl_controller = self.kl_ctl.state_dict()
-        self.state.prompt_position = self.stream.position
         protected = (f"step_{self.state.best_step}",) if self.state.best_step is not None else ()
-        export = (lambda d: self.actor.local.save_hf(d)) if cfg.ckpt.save_hf else None
+        export = (lambda d: self.actor.call("save_hf", d)) if cfg.ckpt.save_hf else None
         path = save_checkpoint(self._ckpt_strategies(), cfg.ckpt.path, self.state.global_step, self.state.as_dict(),
                                max_num=cfg.ckpt.max_num, protected=protected, export_hf=export)
         if self.state.best_step is not None:

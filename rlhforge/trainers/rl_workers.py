@@ -2,11 +2,13 @@
 
 The loop never touches a model directly; it calls methods on groups::
 
-    actor.call("logprobs", samples)         -> one result per worker
-    actor.call("train_step", shard, ...)    -> metrics per worker
+    actor.map_gather("logprobs", samples, ...)   -> one result per sample, in order
+    actor.map_train("train_step", samples, ...)  -> metrics per rank
+    actor.call("save_state", path)               -> same call on every rank
 
-:class:`InProcessGroup` runs one worker in this process (the CPU / single-GPU path); a Ray group
-with the same ``call`` will shard the samples over actors in the distributed issue. Workers:
+(:mod:`rlhforge.distributed.groups`): an in-process group runs one worker in this process (the CPU /
+single-GPU path); a Ray group (:mod:`rlhforge.distributed.ray_group`) builds the same worker classes
+inside N Ray actors, one data-parallel rank each. Workers:
 
 - :class:`ActorWorker`: the policy (strategy, optimizer, scheduler); log-probs, PPO/GSPO updates,
   full state dict for weight sync and export.
@@ -32,25 +34,46 @@ from rlhforge.algorithms import (
     value_loss,
 )
 from rlhforge.config.batching import BatchPlan
+from rlhforge.distributed.groups import InProcessGroup
 from rlhforge.models.forward import is_packed, token_logprobs
 from rlhforge.trainers.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
 
 __all__ = ["InProcessGroup", "ActorWorker", "RefWorker", "CriticWorker", "token_values", "PolicyLossSpec"]
 
 
-class InProcessGroup:
-    """A worker group of one in-process worker: ``call`` returns ``[result]``."""
+class _TrainableWorker:
+    """What actor and critic workers share: checkpoint state, export, memory, sleep."""
 
-    def __init__(self, worker):
-        self.workers = [worker]
+    strategy: Any
+    tokenizer: Any
 
-    def call(self, method: str, *args, **kwargs) -> list[Any]:
-        return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+    def save_state(self, directory) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.strategy.save_state(Path(directory))
 
-    @property
-    def local(self):
-        """The worker living in this process (in-process groups only)."""
-        return self.workers[0]
+    def load_state(self, directory) -> None:
+        self.strategy.load_state(Path(directory))
+
+    def save_hf(self, out_dir) -> None:
+        from rlhforge.models.export import save_hf
+
+        save_hf(self.strategy, self.tokenizer, Path(out_dir))
+
+    def peak_memory_gb(self) -> float:
+        from rlhforge.backend.device import peak_memory_bytes
+
+        return peak_memory_bytes(self.strategy.device) / 2**30
+
+    def offload_states(self) -> dict:
+        """``--ds.enable_sleep``: optimizer states to host memory between training phases."""
+        from rlhforge.backend.sleep import offload_states
+
+        return offload_states(self.strategy)
+
+    def reload_states(self) -> dict:
+        from rlhforge.backend.sleep import reload_states
+
+        return reload_states(self.strategy)
 
 
 def _to(batch: dict, device) -> dict:
@@ -100,7 +123,7 @@ class PolicyLossSpec:
     use_rollout_logprobs_as_old: bool = False
 
 
-class ActorWorker:
+class ActorWorker(_TrainableWorker):
     def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
         from rlhforge.backend.strategy import build_strategy
         from rlhforge.models.loading import load_causal_lm
@@ -177,19 +200,16 @@ class ActorWorker:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.strategy.full_state_dict()
 
-    def save_hf(self, out_dir) -> None:
-        from rlhforge.models.export import save_hf
-
-        save_hf(self.strategy, self.tokenizer, out_dir)
-
 
 class RefWorker:
     """Frozen reference policy (the actor's initial weights, without LoRA)."""
 
-    def __init__(self, cfg, tokenizer, device):
+    def __init__(self, cfg, tokenizer, device=None):
+        from rlhforge.backend.device import dist_info, resolve_device
         from rlhforge.config.components import LoraConfig
         from rlhforge.models.loading import load_causal_lm
 
+        device = device if device is not None else resolve_device(cfg.train.device, dist_info().local_rank)
         ds = dataclasses.replace(cfg.ds, lora=LoraConfig(), load_in_4bit=False)
         model_cfg = dataclasses.replace(cfg.actor, gradient_checkpointing_enable=False)
         self.model = load_causal_lm(cfg.actor.model_name_or_path, model_cfg, ds, device).to(device).eval()
@@ -228,7 +248,7 @@ def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
-class CriticWorker:
+class CriticWorker(_TrainableWorker):
     def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
         from rlhforge.backend.strategy import build_strategy
         from rlhforge.models.reward import load_reward_model
@@ -279,8 +299,3 @@ class CriticWorker:
         out = {k: float(v) for k, v in zip(keys, reduced.tolist())}
         out.update(grad_norm=stats["grad_norm"], lr=stats["lr"])
         return out
-
-    def save_hf(self, out_dir) -> None:
-        from rlhforge.models.export import save_hf
-
-        save_hf(self.strategy, self.tokenizer, Path(out_dir))

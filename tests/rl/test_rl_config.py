@@ -89,8 +89,8 @@ def test_seed_command_lines_resolve_like_their_dotted_equivalents():
         b = parse_rl_args(dotted.split(), validate=False, warn=lambda m: pytest.fail(f"unexpected notice {m}"))
         assert a == b
     assert notes and all("deprecated" in n for n in notes)
-    # and the not-built DeepSpeed sleep fails loudly when validated
-    with pytest.raises(ConfigError, match=r"--ds.enable_sleep True needs DeepSpeed sleep"):
+    # validated here, the GPU-only parts of the first one fail loudly (vLLM missing, or its CPU build)
+    with pytest.raises(ConfigError, match=r"needs vLLM, which does not import here|--vllm.enable_sleep needs a GPU"):
         parse_rl_args(commands[0] + ["--prompt_data", "p.jsonl"])
 
 
@@ -110,9 +110,14 @@ def test_vllm_flag_validation():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--train.async_enable"], "asynchronous training"),
+    (["--train.async_queue_size", "2"], "--train.async_queue_size needs --train.async_enable"),
+    (["--train.async_enable", "--train.async_queue_size", "0"], r"async_queue_size must be >= 1 \(got 0\)"),
+    (["--train.partial_rollout_enable"], "--train.partial_rollout_enable needs --train.async_enable"),
     (["--train.agent_env_concurrency", "0"], "agent_env_concurrency must be >= 1"),
-    (["--actor.num_nodes", "2"], "Ray placement"),
+    (["--train.workers", "local", "--actor.num_gpus_per_node", "2"], "use --train.workers ray"),
+    (["--actor.num_gpus_per_node", "3"], r"must be divisible by --train.micro_batch_size x actor workers \(1 x 3 = 3\)"),
+    (["--actor.num_gpus_per_node", "2", "--ds.lora.rank", "4"], "LoRA .* with Ray worker groups"),
+    (["--actor.num_gpus_per_node", "0"], r"must be >= 1 \(got 1 and 0\)"),
     (["--algo.advantage.estimator", "group_norm"], r"group_norm needs rollout.n_samples_per_prompt > 1 \(got 1\)"),
     (["--actor.dual_clip", "0.5"], "dual_clip must be > 1"),
     (["--train.batch_size", "3"], r"rollout.batch_size 8 x rollout.n_samples_per_prompt 1 = 8 samples per step is not "
@@ -176,15 +181,16 @@ def _tiny_reward_model(model_dir, out):
 
 SHRINK = {"--pretrain": None, "--reward_pretrain": None, "--save_path": None, "--micro_train_batch_size": "2",
           "--train_batch_size": "4", "--micro_rollout_batch_size": "4", "--rollout_batch_size": "2",
-          "--prompt_max_len": "48", "--generate_max_len": "6"}
+          "--prompt_max_len": "48", "--generate_max_len": "6",
+          **{f"--{m}_num_gpus_per_node": "1" for m in ("actor", "critic", "ref", "reward")}}  # one in-process worker each
 DROP = {"--vllm_num_engines": 1, "--vllm_tensor_parallel_size": 1, "--vllm_gpu_memory_utilization": 1,
         "--vllm_enable_sleep": 0, "--deepspeed_enable_sleep": 0}
 
 
 @pytest.mark.parametrize("which", [0, 2], ids=["ppo_rm", "grpo_kl_loss"])
 def test_seed_command_lines_run_shrunk_to_a_tiny_model(tiny_model_dir, tmp_path, which):
-    """The seed's flags, with sizes shrunk, model paths replaced, vLLM/sleep flags dropped (not built) and a
-    prompt dataset added (the seed has none)."""
+    """The seed's flags, with sizes shrunk (one worker per model), model paths replaced, GPU-only vLLM/sleep
+    flags dropped and a prompt dataset added (the seed has none)."""
     rm = _tiny_reward_model(tiny_model_dir, tmp_path / "rm")
     paths = {"--pretrain": str(tiny_model_dir), "--reward_pretrain": str(rm), "--save_path": str(tmp_path / "out")}
     cmd, argv, i = _seed_commands()[which], [], 0

@@ -1,0 +1,100 @@
+"""Starting Ray and the RL worker groups (``--train.workers ray``; docs/distributed.md).
+
+The driver (this process: ``python -m rlhforge.cli.train_ppo_ray`` run directly, by ``ray job
+submit``, or by a Slurm script) is the single controller: it owns the prompt stream, the agent
+executors, the reward sources and the generation engines, and calls the worker groups. Only the
+trained and reference models live in Ray actors.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["init_ray", "ray_device", "build_ray_groups", "close_groups"]
+
+#: Set in every Ray worker unless the user's environment already has them (as OpenRLHF does).
+RAY_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "WARN"}
+
+
+def init_ray(num_cpus: int | None = None) -> None:
+    """Connect to the cluster in ``RAY_ADDRESS`` (``ray job submit`` sets it), or start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}
+    address = os.environ.get("RAY_ADDRESS") or None
+    kwargs = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
+    if address is None:
+        kwargs["num_cpus"] = num_cpus or os.cpu_count()
+        kwargs["include_dashboard"] = False
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as err:
+        from rlhforge.config.parsing import ConfigError
+
+        raise ConfigError(f"could not connect to the Ray cluster at RAY_ADDRESS={address}: {err}") from None
+
+
+def ray_device(requested: str) -> str:
+    """``cuda`` or ``cpu`` for the worker bundles (auto: GPUs when the cluster has any)."""
+    import ray
+
+    if requested != "auto":
+        return requested
+    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
+def build_ray_groups(cfg, tokenizer, plan):
+    """Placement groups and the actor / ref / critic Ray worker groups of one run.
+
+    Returns ``(actor, ref, critic, placement)``; ref/critic are None when the run has none."""
+    import ray
+
+    from rlhforge.distributed.placement import check_resources, plan_placement
+    from rlhforge.distributed.ray_group import RayWorkerGroup, create_placement_groups
+    from rlhforge.trainers.rl_workers import ActorWorker, CriticWorker, RefWorker
+
+    init_ray()
+    device = ray_device(cfg.train.device)
+    sizes = {"actor": cfg.actor.num_nodes * cfg.actor.num_gpus_per_node}
+    if cfg.uses_ref:
+        sizes["ref"] = cfg.ref.num_nodes * cfg.ref.num_gpus_per_node
+    if cfg.uses_critic:
+        sizes["critic"] = cfg.critic.num_nodes * cfg.critic.num_gpus_per_node
+    placement = plan_placement(sizes, device=device, colocate_all=cfg.train.colocate_all,
+                               colocate_actor_ref=cfg.train.colocate_actor_ref)
+    check_resources(placement, ray.available_resources())
+    pgs = create_placement_groups(placement)
+    env = {"RLHFORGE_RAY_WORKER": "1"}
+
+    def group(name, factory, args, process_group=True):
+        g = placement.groups[name]
+        return RayWorkerGroup(name, factory, args, num_workers=g.num_workers, pg=pgs[g.pg], share=g.share,
+                              device=device, process_group=process_group, env=env)
+
+    actor = group("actor", ActorWorker, (cfg, tokenizer, plan.total_updates, plan.grad_accum_steps))
+    ref = group("ref", RefWorker, (cfg, tokenizer), process_group=False) if "ref" in sizes else None
+    critic = None
+    if "critic" in sizes:
+        critic_plan = plan if sizes["critic"] == sizes["actor"] else None
+        accum = critic_plan.grad_accum_steps if critic_plan else cfg.train.batch_size // (
+            cfg.train.micro_batch_size * sizes["critic"])
+        critic = group("critic", CriticWorker, (cfg, tokenizer, plan.total_updates, max(accum, 1)))
+    actor.placement_groups = list(pgs.values())  # removed by close_groups
+    return actor, ref, critic, placement
+
+
+def close_groups(*groups) -> None:
+    """Kill the groups' actors and remove their placement groups (a shared Ray cluster stays clean)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for g in groups:
+        if g is None:
+            continue
+        g.close()
+        for pg in getattr(g, "placement_groups", []):
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass

@@ -1,0 +1,161 @@
+"""Ray worker groups: the data-parallel ranks of one model as Ray actors.
+
+:class:`RayWorkerGroup` starts ``num_workers`` actors (:class:`WorkerHost`) on the bundles of a
+placement group, gives them ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (rank 0 picks
+the address on its own node), and builds the same worker class the in-process path uses
+(:class:`~rlhforge.trainers.rl_workers.ActorWorker` ...) inside each one. The worker's strategy then
+opens the model's process group itself (gloo on CPU, nccl on GPU; DeepSpeed's ``init_distributed``
+or ``torch.distributed``), so DeepSpeed ZeRO runs inside the actors exactly as under torchrun.
+
+Calls shard their samples with :func:`~rlhforge.distributed.groups.balanced_shards` (equal counts,
+balanced tokens), send each shard once through the object store, and gather the results in input
+order. A worker that dies or raises becomes a :class:`~rlhforge.distributed.groups.WorkerError`
+naming the group, the rank and the method.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable, Sequence
+
+from rlhforge.distributed.groups import WorkerError, balanced_shards, lengths_of, pad_shards, zero_weight_copy
+
+__all__ = ["RayWorkerGroup", "WorkerHost", "create_placement_groups"]
+
+
+class WorkerHost:
+    """The Ray actor around one worker: environment first, then the worker, then method calls."""
+
+    def __init__(self, env: dict[str, str]):
+        os.environ.update(env)
+        self.worker = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port (rank 0 hosts the process group's store)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def set_env(self, env: dict[str, str]) -> None:
+        os.environ.update(env)
+
+    def build(self, factory: Callable, args: tuple, kwargs: dict) -> str:
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self.worker = factory(*args, **kwargs)
+        return type(self.worker).__name__
+
+    def run(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def run_items(self, method: str, items: list, args: tuple, kwargs: dict) -> Any:
+        """``method(items, *args)``; ``items`` arrives as a top-level argument so Ray resolves it."""
+        return getattr(self.worker, method)(items, *args, **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def create_placement_groups(plan, timeout_s: float = 120.0) -> dict[str, Any]:
+    """One Ray placement group per key of ``plan.bundles`` (strategy PACK), ready."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pgs = {}
+    for key, n in plan.bundles.items():
+        pg = placement_group([plan.bundle() for _ in range(n)], strategy="PACK", name=f"rlhforge-{key}-{os.getpid()}")
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise WorkerError(f"Ray could not place {n} bundle(s) of {plan.bundle()} for {key} within {timeout_s:.0f} s "
+                              f"(cluster resources: {ray.cluster_resources()})")
+        pgs[key] = pg
+    return pgs
+
+
+class RayWorkerGroup:
+    """``num_workers`` Ray actors, one rank each, on bundles ``0..num_workers-1`` of ``pg``."""
+
+    def __init__(self, name: str, factory: Callable, args: tuple = (), kwargs: dict | None = None, *,
+                 num_workers: int, pg, share: float, device: str, process_group: bool = True,
+                 env: dict[str, str] | None = None):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name, self.world_size = name, num_workers
+        remote_host = ray.remote(WorkerHost)
+        base_env = {"LOCAL_RANK": "0", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.hosts = []
+        for rank in range(num_workers):
+            opts = {"num_cpus": share, "num_gpus": share if device == "cuda" else 0,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                    "name": None, "max_restarts": 0}
+            self.hosts.append(remote_host.options(**opts).remote(dict(base_env)))
+        if process_group and num_workers > 1:
+            addr, port = self._get([self.hosts[0].address.remote()], "address")[0]
+            self._get([h.set_env.remote({"RANK": str(r), "WORLD_SIZE": str(num_workers), "MASTER_ADDR": addr,
+                                         "MASTER_PORT": str(port)}) for r, h in enumerate(self.hosts)], "set_env")
+        else:
+            self._get([h.set_env.remote({"RANK": "0", "WORLD_SIZE": "1"}) for h in self.hosts], "set_env")
+        self._get([h.build.remote(factory, args, kwargs or {}) for h in self.hosts], f"building {name}")
+
+    # -- calls ------------------------------------------------------------------------------------
+    def _get(self, refs: Sequence, what: str) -> list[Any]:
+        import ray
+
+        out = []
+        for rank, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError as err:
+                raise WorkerError(f"{self.name} worker rank {rank} died during {what} (its Ray actor is gone: "
+                                  f"{str(err).splitlines()[0]}); checkpoints already written are intact") from None
+            except ray.exceptions.RayTaskError as err:
+                cause = err.cause if getattr(err, "cause", None) is not None else err
+                raise WorkerError(f"{self.name} worker rank {rank} failed in {what}: "
+                                  f"{type(cause).__name__}: {cause}") from None
+        return out
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        """The same call on every rank; one result per rank."""
+        return self._get([h.run.remote(method, args, kwargs) for h in self.hosts], method)
+
+    def _map(self, method: str, items: Sequence, args, kwargs, pad) -> tuple[list, list[list[int]], list[int]]:
+        import ray
+
+        shards = balanced_shards(lengths_of(items), self.world_size)
+        chunks, real = pad_shards(items, shards, pad)
+        refs = [h.run_items.remote(method, ray.put(chunk), args, kwargs) for h, chunk in zip(self.hosts, chunks)]
+        return self._get(refs, method), shards, real
+
+    def map_gather(self, method: str, items: Sequence, *args, **kwargs) -> list[Any]:
+        """Shard ``items`` over the ranks; ``method(shard, *args)`` returns one result per item."""
+        if not items:
+            return []
+        results, shards, real = self._map(method, items, args, kwargs, pad=None)
+        out: list[Any] = [None] * len(items)
+        for res, idx, n in zip(results, shards, real):
+            for i, r in zip(idx, list(res)[:n]):
+                out[i] = r
+        return out
+
+    def map_train(self, method: str, items: Sequence, *args, **kwargs) -> list[Any]:
+        """Shard one optimizer step's samples (padding copies carry no loss); a result per rank."""
+        return self._map(method, items, args, kwargs, pad=zero_weight_copy)[0]
+
+    def pids(self) -> list[int]:
+        return self._get([h.pid.remote() for h in self.hosts], "pid")
+
+    def close(self) -> None:
+        import ray
+
+        for h in self.hosts:
+            try:
+                ray.kill(h)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.hosts = []
