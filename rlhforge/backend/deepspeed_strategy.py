@@ -40,6 +40,18 @@ def deepspeed_config(ds_cfg, optim_cfg, dtype: torch.dtype, micro_batch_size: in
     return config
 
 
+def _single_process_env() -> None:
+    import os
+    import socket
+
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+
+
 class DeepSpeedStrategy:
     def __init__(self, ds_cfg, optim_cfg, train_cfg, batch_plan):
         import deepspeed
@@ -50,6 +62,8 @@ class DeepSpeedStrategy:
         self.dtype = resolve_dtype(ds_cfg.param_dtype, self.device)
         self.ds_cfg, self.optim_cfg = ds_cfg, optim_cfg
         self.batch_plan = batch_plan
+        if self.world_size == 1:  # one plain process: a one-rank group on a free local port (no MPI discovery)
+            _single_process_env()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         self.engine = None
 
@@ -120,8 +134,10 @@ class DeepSpeedStrategy:
                     if out is not None:
                         out[name] = param.detach().to("cpu", torch.float32, copy=True)
             if out is not None:
+                persistent = set(module.state_dict().keys())  # non-persistent buffers (rotary inv_freq) are not saved
                 for name, buf in module.named_buffers():
-                    out[name] = buf.detach().to("cpu", copy=True)
+                    if name in persistent:
+                        out[name] = buf.detach().to("cpu", copy=True)
                 # tied weights appear once in named_parameters; state_dict names them all
                 for name in module.state_dict().keys():
                     if name not in out:

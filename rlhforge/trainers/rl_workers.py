@@ -35,6 +35,7 @@ from rlhforge.algorithms import (
 )
 from rlhforge.config.batching import BatchPlan
 from rlhforge.distributed.groups import InProcessGroup
+from rlhforge.trainers.common import seed_everything
 from rlhforge.models.forward import is_packed, token_logprobs
 from rlhforge.trainers.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
 
@@ -131,6 +132,7 @@ class ActorWorker(_TrainableWorker):
         self.cfg, self.tokenizer = cfg, tokenizer
         plan = _plan(cfg.train.micro_batch_size, grad_accum, max(total_updates, 1))
         self.strategy = build_strategy(cfg.ds, cfg.actor.optim_config(), _train_cfg_for(cfg), plan)
+        seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
         model = load_causal_lm(cfg.actor.model_name_or_path, cfg.actor, cfg.ds, self.strategy.device)
         self.model = self.strategy.prepare(model, max(total_updates, 1))
         self.device = self.strategy.device
@@ -257,6 +259,8 @@ class CriticWorker(_TrainableWorker):
         path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
         plan = _plan(cfg.train.micro_batch_size, grad_accum, max(total_updates, 1))
         self.strategy = build_strategy(cfg.ds, cfg.critic.optim_config(), cfg.train, plan)
+        seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)  # a new value head: same init on
+        # every rank and in every process layout (in-process or Ray)
         model = load_reward_model(path, cfg.critic, cfg.ds, self.strategy.device, pad_token_id=tokenizer.pad_token_id,
                                   value_head_prefix=cfg.ds.value_head_prefix)
         self.model = self.strategy.prepare(model, max(total_updates, 1))

@@ -1,0 +1,15 @@
+"""Distributed tests: one local Ray cluster of 2 CPUs shared by the whole module that asks for it."""
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install ray; scripts/test.sh installs it)")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
