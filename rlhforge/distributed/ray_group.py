@@ -105,19 +105,27 @@ class RayWorkerGroup:
 
     # -- calls ------------------------------------------------------------------------------------
     def _get(self, refs: Sequence, what: str) -> list[Any]:
+        """Results of every rank; a dead actor is reported before the errors it caused on its peers
+        (a rank whose collective lost its partner fails with a less useful message)."""
         import ray
 
-        out = []
+        out, died, failed = [], [], []
         for rank, ref in enumerate(refs):
             try:
                 out.append(ray.get(ref))
             except ray.exceptions.RayActorError as err:
-                raise WorkerError(f"{self.name} worker rank {rank} died during {what} (its Ray actor is gone: "
-                                  f"{str(err).splitlines()[0]}); checkpoints already written are intact") from None
+                died.append((rank, str(err).splitlines()[0]))
             except ray.exceptions.RayTaskError as err:
                 cause = err.cause if getattr(err, "cause", None) is not None else err
-                raise WorkerError(f"{self.name} worker rank {rank} failed in {what}: "
-                                  f"{type(cause).__name__}: {cause}") from None
+                failed.append((rank, f"{type(cause).__name__}: {cause}"))
+        if died:
+            rank, msg = died[0]
+            others = f" ({len(died) + len(failed) - 1} other rank(s) failed with it)" if len(died) + len(failed) > 1 else ""
+            raise WorkerError(f"{self.name} worker rank {rank} died during {what} (its Ray actor is gone: {msg}){others}; "
+                              "checkpoints already written are intact")
+        if failed:
+            rank, msg = failed[0]
+            raise WorkerError(f"{self.name} worker rank {rank} failed in {what}: {msg}")
         return out
 
     def call(self, method: str, *args, **kwargs) -> list[Any]:
