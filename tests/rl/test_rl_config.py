@@ -211,3 +211,22 @@ def test_seed_command_lines_run_shrunk_to_a_tiny_model(tiny_model_dir, tmp_path,
              "--n_samples_per_prompt", "2"]
     assert rl_main(argv) == 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("kind, expected", [("tis", ("token", "clip", "ratio")), ("icepop", ("token", "mask", "ratio")),
+                                            ("seq-mask-tis", ("seq", "mask", "ratio"))])
+def test_openrlhf_0_10_is_correction_names_are_aliases(kind, expected):
+    notes = []
+    cfg = parse_rl_args(BASE + ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", kind,
+                                "--algo.advantage.is_correction_threshold", "0.8", "2.0"], warn=notes.append)
+    adv = cfg.algo.advantage
+    assert (adv.is_correction_level, adv.is_correction_mode, adv.is_correction_gating) == expected
+    assert adv.is_correction_threshold == (0.8, 2.0)
+    assert notes and "0.10 names" in notes[0]
+
+
+def test_is_correction_type_alone_or_unknown():
+    assert parse_rl_args(BASE + ["--algo.advantage.is_correction_type", "icepop"]).algo.advantage.is_correction_level == "off"
+    assert parse_rl_args(BASE + ["--algo.advantage.is_correction_enable"]).algo.advantage.is_correction_mode == "clip"
+    with pytest.raises(ConfigError, match=r"is_correction_type must be one of tis, icepop, seq-mask-tis \(got tv\)"):
+        parse_rl_args(BASE + ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tv"])
