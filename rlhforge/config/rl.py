@@ -153,9 +153,13 @@ class VllmConfig:
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism per engine (GPU; 1 on CPU)."""
     sync_backend: str = "nccl"
-    """Weight-sync backend."""
+    """Weight-sync backend. With Ray workers rlhforge syncs actor rank 0 -> the driver's engines over a
+    dedicated gloo group (host memory) whatever this says; NCCL / CUDA IPC straight into GPU engines
+    is not built yet (docs/distributed.md)."""
     sync_with_ray: bool = False
-    """Sync weights with ray.util.collective."""
+    """Ray workers: send the weights through Ray's object store instead of the dedicated group."""
+    sync_bucket_mb: int = 128
+    """Weight-sync bucket size in MiB (one collective / RPC per bucket). rlhforge-specific."""
     enable_prefix_caching: bool = False
     """vLLM prefix caching (reset after every weight sync)."""
     enforce_eager: bool = False

@@ -9,7 +9,6 @@ from rlhforge.config.rl import RLConfig
 
 #: (section, field) -> default; a different value means a feature that is not built yet
 _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
-    ("vllm", "sync_with_ray"): (False, "vLLM weight sync through Ray"),
     ("rollout", "vllm_generate_batch_size"): (None, "vLLM generate batch size"),
     ("rollout", "max_tokens_per_gpu"): (None, "token-budget log-prob passes"),
     ("train", "dynamic_batch_enable"): (False, "dynamic (token-budget) batching in RL"),

@@ -89,6 +89,10 @@ class InProcessGroup:
     def map_train(self, method: str, items: Sequence, *args, **kwargs) -> list[Any]:
         return [getattr(self.workers[0], method)(list(items), *args, **kwargs)]
 
+    def gather_weights(self) -> dict:
+        """The full state dict of the model (for the engines)."""
+        return self.call("full_state_dict")[0]
+
     @property
     def local(self):
         """The worker living in this process."""

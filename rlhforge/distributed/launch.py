@@ -82,6 +82,8 @@ def build_ray_groups(cfg, tokenizer, plan):
             cfg.train.micro_batch_size * sizes["critic"])
         critic = group("critic", CriticWorker, (cfg, tokenizer, plan.total_updates, max(accum, 1)))
     actor.placement_groups = list(pgs.values())  # removed by close_groups
+    if not cfg.vllm.sync_with_ray:
+        actor.open_weight_channel(cfg.vllm.sync_bucket_mb)
     return actor, ref, critic, placement
 
 

@@ -155,6 +155,55 @@ class RayWorkerGroup:
         """Shard one optimizer step's samples (padding copies carry no loss); a result per rank."""
         return self._map(method, items, args, kwargs, pad=zero_weight_copy)[0]
 
+    # -- weights for the driver's engines ----------------------------------------------------------
+    def _wait_with(self, refs: Sequence, what: str, local_fn):
+        """Run ``local_fn`` here while the workers run ``refs``; a worker failing first is raised (the
+        local end would otherwise wait for a peer that is gone)."""
+        import threading
+
+        import ray
+
+        box: dict = {}
+
+        def target():
+            try:
+                box["value"] = local_fn()
+            except BaseException as err:  # noqa: BLE001
+                box["error"] = err
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, timeout=1.0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - named by _get below
+                    self._get(refs, what)
+        thread.join()
+        if "error" in box:
+            raise WorkerError(f"{self.name}: {what} failed on the driver's end: {box['error']}")
+        self._get(refs, what)
+        return box["value"]
+
+    def open_weight_channel(self, bucket_mb: int) -> None:
+        """A dedicated gloo group between the driver and rank 0 for :meth:`gather_weights`."""
+        from rlhforge.distributed.weight_sync import WeightReceiver
+
+        receiver = WeightReceiver()
+        ref = self.hosts[0].run.remote("open_weight_channel", (*receiver.address, bucket_mb * 2**20), {})
+        self._wait_with([ref], "opening the weight-sync channel", receiver.connect)
+        self.receiver = receiver
+
+    def gather_weights(self) -> dict:
+        """Full weights: every rank gathers, rank 0 broadcasts them in buckets over the channel (or,
+        without one, returns them through Ray's object store)."""
+        if getattr(self, "receiver", None) is None:
+            return self.call("full_state_dict")[0]
+        refs = [h.run.remote("send_weights", (), {}) for h in self.hosts]
+        return self._wait_with(refs, "send_weights", self.receiver.receive)
+
     def pids(self) -> list[int]:
         return self._get([h.pid.remote() for h in self.hosts], "pid")
 

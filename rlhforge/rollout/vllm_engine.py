@@ -364,7 +364,7 @@ def build_vllm_engines(cfg, tokenizer, max_model_len: int):
             cfg.actor.model_name_or_path, tokenizer, dtype=dtype, max_model_len=max_model_len,
             seed=cfg.train.seed + i, tensor_parallel_size=v.tensor_parallel_size,
             gpu_memory_utilization=v.gpu_memory_utilization, enable_prefix_caching=v.enable_prefix_caching,
-            enforce_eager=v.enforce_eager, enable_sleep=v.enable_sleep,
+            enforce_eager=v.enforce_eager, enable_sleep=v.enable_sleep, bucket_mb=v.sync_bucket_mb,
         )
         for i in range(v.num_engines)
     ]

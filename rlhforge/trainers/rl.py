@@ -422,7 +422,7 @@ class RLTrainer:
     def sync_weights(self) -> None:
         """Gather the actor's full weights (all ranks take part; rank 0 returns them) and load them into
         the engines; then tell the rollout source which weights version the engines hold."""
-        state = self.actor.call("full_state_dict")[0]
+        state = self.actor.gather_weights()
         with self._engine_guard():
             self.engine.update_weights(state)
         rollouts = getattr(self, "rollouts", None)

@@ -202,6 +202,19 @@ class ActorWorker(_TrainableWorker):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.strategy.full_state_dict()
 
+    # -- weight sync to the driver's engines over a dedicated channel (Ray workers) -------------
+    def open_weight_channel(self, host: str, port: int, bucket_bytes: int) -> None:
+        from rlhforge.distributed.weight_sync import WeightSender
+
+        self._sender = WeightSender(host, port, bucket_bytes)
+
+    def send_weights(self) -> int:
+        """All ranks gather; rank 0 broadcasts to the driver. Returns the number of buckets (rank 0)."""
+        state = self.strategy.full_state_dict()
+        if state is None:
+            return 0
+        return self._sender.send(state)
+
 
 class RefWorker:
     """Frozen reference policy (the actor's initial weights, without LoRA)."""
