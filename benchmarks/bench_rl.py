@@ -43,7 +43,7 @@ def bench_rlhforge(model_dir: Path, out_dir: Path, steps: int) -> dict:
     ])
     trainer = build_trainer(cfg)
     trainer.sync_weights()
-    trainer.step()  # warm-up
+    trainer.step()  # warm-up (generates its batch synchronously)
     rows = [trainer.step() for _ in range(steps)]
     trainer.logger.close()
     t = {k: sum(r[f"timing/{k}"] for r in rows) for k in ("generation", "experience", "training", "weight_sync", "step")}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from rlhforge.backend.device import dist_info, resolve_device, resolve_dtype
+from rlhforge.backend.device import dist_info, resolve_device, resolve_dtype, single_process_env
 from rlhforge.backend.optim import build_optimizer, build_scheduler
 from rlhforge.backend.strategy import all_reduce_tensor
 
@@ -40,18 +40,6 @@ def deepspeed_config(ds_cfg, optim_cfg, dtype: torch.dtype, micro_batch_size: in
     return config
 
 
-def _single_process_env() -> None:
-    import os
-    import socket
-
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-
-
 class DeepSpeedStrategy:
     def __init__(self, ds_cfg, optim_cfg, train_cfg, batch_plan):
         import deepspeed
@@ -63,7 +51,7 @@ class DeepSpeedStrategy:
         self.ds_cfg, self.optim_cfg = ds_cfg, optim_cfg
         self.batch_plan = batch_plan
         if self.world_size == 1:  # one plain process: a one-rank group on a free local port (no MPI discovery)
-            _single_process_env()
+            single_process_env()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         self.engine = None
 

@@ -49,13 +49,27 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(device: torch.device) -> None:
-    """Initialise torch.distributed once when launched with several processes."""
+def init_process_group(device: torch.device, force: bool = False) -> None:
+    """Initialise torch.distributed once when launched with several processes (``force``: also for
+    one process, whose environment :func:`single_process_env` provides)."""
     import torch.distributed as dist
 
     info = dist_info()
-    if info.world_size > 1 and not dist.is_initialized():
+    if (info.world_size > 1 or force) and not dist.is_initialized():
         dist.init_process_group(backend=process_group_backend(device))
+
+
+def single_process_env() -> None:
+    """Environment for a one-rank process group in a plain process (a free local port)."""
+    import os
+    import socket
+
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
 
 
 def default_attn_implementation(requested: str, device: torch.device) -> str:

@@ -94,4 +94,8 @@ def build_strategy(ds_cfg, optim_cfg, train_cfg, batch_plan) -> Any:
         from rlhforge.backend.deepspeed_strategy import DeepSpeedStrategy
 
         return DeepSpeedStrategy(ds_cfg, optim_cfg, train_cfg, batch_plan)
-    raise ValueError(f"unknown --ds.strategy {name!r}; valid: auto, torch, deepspeed")
+    if name == "fsdp2":
+        from rlhforge.backend.fsdp2_strategy import FSDP2Strategy
+
+        return FSDP2Strategy(ds_cfg, optim_cfg, train_cfg)
+    raise ValueError(f"unknown --ds.strategy {name!r}; valid: auto, torch, deepspeed, fsdp2")

@@ -48,9 +48,10 @@ class LoraConfig:
 class DSConfig:
     """Training backend (``--ds.*`` as in OpenRLHF): strategy, precision, sharding, packing."""
 
-    strategy: Literal["auto", "torch", "deepspeed"] = "auto"
+    strategy: Literal["auto", "torch", "deepspeed", "fsdp2"] = "auto"
     """Backend. ``auto``: plain torch for one process, DeepSpeed when launched with several
-    (torchrun/deepspeed). rlhforge-specific."""
+    (torchrun/deepspeed/Ray workers); ``fsdp2``: PyTorch FSDP2 (``fully_shard``, the ZeRO-3 layout).
+    rlhforge-specific."""
     zero_stage: int = 2
     """DeepSpeed ZeRO stage 0-3 (ignored by the plain-torch strategy)."""
     param_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"

@@ -210,8 +210,12 @@ class RLTrainer:
                     and not cfg.ckpt.disable_ds):
                 self.save_checkpoint()
 
-    def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One RL step on a generated batch; returns its metrics."""
+    def step(self, batch: RolloutBatch | None = None) -> dict[str, float]:
+        """One RL step on a generated batch (None: generate it now, synchronously); returns its metrics."""
+        if batch is None:
+            source = SyncRollouts(self.rollout)
+            source.start(self.state.global_step, self.state.global_step)
+            batch = source.next(self.state.global_step)
         t0 = time.perf_counter()
         trajs, metrics = batch.trajs, dict(batch.metrics)
         self.state.prompt_position = batch.stream_position

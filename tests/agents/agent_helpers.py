@@ -40,9 +40,9 @@ def capture_trajectories(monkeypatch) -> list:
     original = RLTrainer.rollout
 
     def rollout(self):
-        trajs, metrics = original(self)
+        trajs, metrics, position = original(self)
         seen.extend(trajs)
-        return trajs, metrics
+        return trajs, metrics, position
 
     monkeypatch.setattr(RLTrainer, "rollout", rollout)
     return seen

@@ -73,6 +73,8 @@ def main():
                 g = safe_get_full_grad(p)
             else:
                 g = p.grad
+                if g is not None and hasattr(g, "full_tensor"):  # FSDP2: a sharded DTensor
+                    g = g.full_tensor()
             grads[pname] = g.detach().clone().float() if g is not None else None
         loss_value = strategy.all_reduce(loss_total, "sum").item() / total_targets
         results[spec] = {"loss": loss_value, "grads": grads}

