@@ -112,7 +112,15 @@ class FSDP2Strategy:
         state = get_model_state_dict(self.model, options=self._options())
         if not self.is_rank0:
             return None
-        return {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}
+        out = {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}
+        # tied weights (lm_head = embed_tokens) come back as separate gathered copies; alias them again so
+        # save_pretrained writes one tensor, as it does for an unsharded model
+        first: dict[int, str] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if id(param) in first and name in out and first[id(param)] in out:
+                out[name] = out[first[id(param)]]
+            first.setdefault(id(param), name)
+        return out
 
     def save_state(self, directory: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict

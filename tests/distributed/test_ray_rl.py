@@ -1,5 +1,5 @@
-"""RL with the actor (and critic) as 2 data-parallel Ray workers under DeepSpeed ZeRO-2/3 on a
-2-CPU Ray cluster matches the single-process trainer on the same seed."""
+"""RL with the actor (and critic) as 2 data-parallel Ray workers under DeepSpeed ZeRO-2/3 (and FSDP2)
+on a 2-CPU Ray cluster matches the single-process trainer on the same seed."""
 
 import shutil
 
@@ -13,16 +13,17 @@ pytestmark = pytest.mark.slow
 
 
 def _run(model, out, reward, estimator, stage, *extra):
-    args = rl_args(model, out, "--reward.remote_url", reward, "--ds.strategy", "deepspeed", "--ds.zero_stage", stage,
-                   *extra, estimator=estimator, steps=2)
+    backend = ["--ds.strategy", "fsdp2"] if stage == "fsdp2" else ["--ds.strategy", "deepspeed", "--ds.zero_stage", stage]
+    args = rl_args(model, out, "--reward.remote_url", reward, *backend, *extra, estimator=estimator, steps=2)
     if estimator == "gae":
         args += ["--algo.kl.init_coef", "0.01"]  # a reference model too
     assert main(args) == 0
     return out
 
 
-@pytest.mark.parametrize("estimator, stage", [("gae", "3"), ("group_norm", "2"), ("gae", "2"), ("group_norm", "3")],
-                         ids=["ppo_critic_zero3", "grpo_zero2", "ppo_critic_zero2", "grpo_zero3"])
+@pytest.mark.parametrize("estimator, stage", [("gae", "3"), ("group_norm", "2"), ("gae", "2"), ("group_norm", "3"),
+                                             ("gae", "fsdp2")],
+                         ids=["ppo_critic_zero3", "grpo_zero2", "ppo_critic_zero2", "grpo_zero3", "ppo_critic_fsdp2"])
 def test_ray_data_parallel_matches_single_process(ray_cluster, tiny_model_dir, tmp_path, estimator, stage):
     reward = str(write_reward(tmp_path / "r.py"))
     # hybrid-engine sleep on one of them: a no-op on CPU devices, and it must not change anything
