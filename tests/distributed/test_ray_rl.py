@@ -87,7 +87,7 @@ def test_engine_generates_with_the_synced_weights(ray_cluster, tiny_model_dir, t
                                 "--train.colocate_all", *extra, steps=1))
     trainer = build_trainer(cfg)
     try:
-        assert (getattr(trainer.actor, "receiver", None) is not None) == (transport == "channel")
+        assert (getattr(trainer.actor, "receiver", None) is not None) == (transport != "object_store")
         trainer.fit()
     finally:
         trainer.logger.close()
@@ -101,7 +101,7 @@ def test_engine_generates_with_the_synced_weights(ray_cluster, tiny_model_dir, t
             assert torch.equal(engine_state[name], w), name
     reference = HFEngine.from_pretrained(str(out), trainer.tokenizer)
     prompts = [p.ids for p in trainer.prompts[:8]]
-    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)  # within the engine's max_model_len
     try:
         assert [o.token_ids for o in trainer.engine.generate_sync(prompts, greedy)] == \
             [o.token_ids for o in reference.generate_sync(prompts, greedy)]
