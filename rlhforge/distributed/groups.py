@@ -19,9 +19,10 @@ to the loss or to the global token count).
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["InProcessGroup", "balanced_shards", "zero_weight_copy", "WorkerError"]
+__all__ = ["InProcessGroup", "GroupCheckpoint", "balanced_shards", "zero_weight_copy", "WorkerError"]
 
 
 class WorkerError(RuntimeError):
@@ -100,3 +101,28 @@ class InProcessGroup:
 
     def close(self) -> None:
         pass
+
+
+class GroupCheckpoint:
+    """Adapter so ``backend.checkpoint`` saves an actor group's (and a critic group's) state into one
+    step folder. The trainer is the single controller: every rank of each group saves its shard
+    through the group, so the driver acts as rank 0 and needs no barrier (group calls return when
+    all ranks are done)."""
+
+    rank, is_rank0 = 0, True
+
+    def __init__(self, actor, critic=None):
+        self.actor, self.critic = actor, critic
+
+    def barrier(self):
+        pass
+
+    def save_state(self, directory: Path) -> None:
+        self.actor.call("save_state", directory)
+        if self.critic is not None:
+            self.critic.call("save_state", Path(directory) / "critic")
+
+    def load_state(self, directory: Path) -> None:
+        self.actor.call("load_state", directory)
+        if self.critic is not None:
+            self.critic.call("load_state", Path(directory) / "critic")

@@ -6,8 +6,11 @@
 The algorithm is a choice, not a separate trainer: ``--algo.advantage.estimator`` (gae with a
 critic; reinforce, reinforce_baseline, rloo, group_norm = GRPO, dr_grpo, flash_reinforce without
 one) and ``--actor.policy_loss_type`` (ppo, gspo). Per-model work lives in worker groups
-(:mod:`rlhforge.trainers.rl_workers`); generation behind a ``GenerationEngine``; rollouts come from
-an agent executor as token-level :class:`~rlhforge.agents.types.Trajectory` objects.
+(:mod:`rlhforge.distributed`: in this process, or Ray actor groups of data-parallel ranks; workers in
+:mod:`rlhforge.trainers.rl_workers`); generation behind a ``GenerationEngine``; rollouts come from
+an agent executor as token-level :class:`~rlhforge.agents.types.Trajectory` objects, generated when
+a step asks (sync) or ahead of it by at most ``train.async_queue_size`` weight versions
+(``--train.async_enable``, :mod:`rlhforge.distributed.rollout_queue`).
 
 One RL *step* = one rollout of ``rollout.batch_size`` prompts x ``n_samples_per_prompt`` samples,
 then ``train.max_epochs`` passes over it in optimizer steps of ``train.batch_size`` samples.
@@ -42,6 +45,7 @@ from rlhforge.algorithms import (
 )
 from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlhforge.config.batching import RLBatchPlan
+from rlhforge.distributed.groups import GroupCheckpoint
 from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.trainers.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
@@ -71,30 +75,6 @@ class RLState:
     def as_dict(self) -> dict:
         return {"global_step": self.global_step, "prompt_position": self.prompt_position,
                 "kl_controller": self.kl_controller, "best_metric": self.best_metric, "best_step": self.best_step}
-
-
-class _CheckpointGroups:
-    """Adapter so ``backend.checkpoint`` saves actor and critic state into one step folder. The
-    trainer is the single controller: every rank of each group saves its shard through the group,
-    so the driver acts as rank 0 and needs no barrier (group calls return when all ranks are done)."""
-
-    rank, is_rank0 = 0, True
-
-    def __init__(self, actor, critic=None):
-        self.actor, self.critic = actor, critic
-
-    def barrier(self):
-        pass
-
-    def save_state(self, directory: Path) -> None:
-        self.actor.call("save_state", directory)
-        if self.critic is not None:
-            self.critic.call("save_state", Path(directory) / "critic")
-
-    def load_state(self, directory: Path) -> None:
-        self.actor.call("load_state", directory)
-        if self.critic is not None:
-            self.critic.call("load_state", Path(directory) / "critic")
 
 
 def _mean(xs) -> float:
@@ -493,8 +473,8 @@ class RLTrainer:
                 }) + "\n")
 
     # ------------------------------------------------------------------------------------ checkpoints
-    def _ckpt_strategies(self) -> _CheckpointGroups:
-        return _CheckpointGroups(self.actor, self.critic)
+    def _ckpt_strategies(self) -> GroupCheckpoint:
+        return GroupCheckpoint(self.actor, self.critic)
 
     def save_checkpoint(self) -> Path:
         cfg = self.cfg
