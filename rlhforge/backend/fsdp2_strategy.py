@@ -23,7 +23,7 @@ import torch
 
 from rlhforge.backend.device import dist_info, init_process_group, resolve_device, resolve_dtype, single_process_env
 from rlhforge.backend.optim import build_optimizer, build_scheduler
-from rlhforge.backend.strategy import all_reduce_tensor
+from rlhforge.backend.strategy import all_reduce_tensor, barrier, clip_and_step
 
 
 def _block_classes(model: torch.nn.Module) -> set[type]:
@@ -80,30 +80,13 @@ class FSDP2Strategy:
         loss.backward()
 
     def step(self) -> dict[str, float]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.optim_cfg.max_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm), "lr": float(lr)}
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.optim_cfg.max_norm)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return all_reduce_tensor(tensor, op, self.world_size)
 
     def barrier(self) -> None:
-        import torch.distributed as dist
-
-        if self.world_size > 1 and dist.is_initialized():
-            dist.barrier()
-
-    def _options(self, **kw):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
+        barrier(self.world_size)
 
     def full_state_dict(self):
         """All ranks call this; rank 0 gets full fp32 CPU tensors, the others None."""

@@ -39,26 +39,27 @@ def _is_deepspeed(strategy) -> bool:
     return hasattr(strategy, "engine")
 
 
-def offload_states(strategy) -> dict:
+def _move(strategy, to_host: bool) -> dict:
     if strategy.device.type == "cpu":
         return {"moved_bytes": 0}
     if _is_deepspeed(strategy):
         if getattr(strategy.ds_cfg, "adam_offload", False):
-            return {"moved_bytes": 0}
-        strategy.engine.offload_states()
-        torch.cuda.empty_cache()
+            return {"moved_bytes": 0}  # the states already live in host memory
+        if to_host:
+            strategy.engine.offload_states()
+            torch.cuda.empty_cache()
+        else:
+            strategy.engine.reload_states()
         return {"moved_bytes": -1}  # DeepSpeed does not report it
-    moved = move_optimizer_states(strategy.optimizer, "cpu")
-    torch.cuda.empty_cache()
+    moved = move_optimizer_states(strategy.optimizer, "cpu" if to_host else strategy.device)
+    if to_host:
+        torch.cuda.empty_cache()
     return {"moved_bytes": moved}
 
 
+def offload_states(strategy) -> dict:
+    return _move(strategy, to_host=True)
+
+
 def reload_states(strategy) -> dict:
-    if strategy.device.type == "cpu":
-        return {"moved_bytes": 0}
-    if _is_deepspeed(strategy):
-        if getattr(strategy.ds_cfg, "adam_offload", False):
-            return {"moved_bytes": 0}
-        strategy.engine.reload_states()
-        return {"moved_bytes": -1}
-    return {"moved_bytes": move_optimizer_states(strategy.optimizer, strategy.device)}
+    return _move(strategy, to_host=False)

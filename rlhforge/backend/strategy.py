@@ -79,6 +79,27 @@ def all_reduce_tensor(tensor: torch.Tensor, op: str, world_size: int) -> torch.T
     return out
 
 
+def barrier(world_size: int) -> None:
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_initialized():
+        dist.barrier()
+
+
+def clip_and_step(module: torch.nn.Module, optimizer, scheduler, max_norm: float) -> dict[str, float]:
+    """Clip the global grad norm (0: no clipping), step optimizer and scheduler, zero the grads.
+    Works for plain and DTensor (FSDP2) parameters. Returns the pre-clip norm and the lr used."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": float(norm), "lr": float(lr)}
+
+
 def build_strategy(ds_cfg, optim_cfg, train_cfg, batch_plan) -> Any:
     """Pick the strategy: ``auto`` -> plain torch for one process, DeepSpeed for several."""
     from rlhforge.backend.device import dist_info

@@ -9,7 +9,7 @@ import torch
 
 from rlhforge.backend.device import dist_info, init_process_group, resolve_device, resolve_dtype
 from rlhforge.backend.optim import build_optimizer, build_scheduler
-from rlhforge.backend.strategy import all_reduce_tensor
+from rlhforge.backend.strategy import all_reduce_tensor, barrier, clip_and_step
 
 
 class TorchStrategy:
@@ -62,23 +62,13 @@ class TorchStrategy:
             loss.backward()
 
     def step(self) -> dict[str, float]:
-        params = [p for p in self._module.parameters() if p.requires_grad]
-        max_norm = self.optim_cfg.max_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm), "lr": float(lr)}
+        return clip_and_step(self._module, self.optimizer, self.scheduler, self.optim_cfg.max_norm)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return all_reduce_tensor(tensor, op, self.world_size)
 
     def barrier(self) -> None:
-        import torch.distributed as dist
-
-        if self.world_size > 1 and dist.is_initialized():
-            dist.barrier()
+        barrier(self.world_size)
 
     def full_state_dict(self):
         if not self.is_rank0:

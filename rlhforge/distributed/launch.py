@@ -71,7 +71,7 @@ def build_ray_groups(cfg, tokenizer, plan):
     def group(name, factory, args, process_group=True):
         g = placement.groups[name]
         return RayWorkerGroup(name, factory, args, num_workers=g.num_workers, pg=pgs[g.pg], share=g.share,
-                              device=device, process_group=process_group, env=env)
+                              device=device, process_group=process_group, env=env, wait=False)
 
     actor = group("actor", ActorWorker, (cfg, tokenizer, plan.total_updates, plan.grad_accum_steps))
     ref = group("ref", RefWorker, (cfg, tokenizer), process_group=False) if "ref" in sizes else None
@@ -81,6 +81,9 @@ def build_ray_groups(cfg, tokenizer, plan):
         accum = critic_plan.grad_accum_steps if critic_plan else cfg.train.batch_size // (
             cfg.train.micro_batch_size * sizes["critic"])
         critic = group("critic", CriticWorker, (cfg, tokenizer, plan.total_updates, max(accum, 1)))
+    for g in (actor, ref, critic):  # all groups load their models at the same time; wait for them here
+        if g is not None:
+            g.ready()
     actor.placement_groups = list(pgs.values())  # removed by close_groups
     if not cfg.vllm.sync_with_ray:
         actor.open_weight_channel(cfg.vllm.sync_bucket_mb)

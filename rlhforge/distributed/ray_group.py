@@ -82,7 +82,7 @@ class RayWorkerGroup:
 
     def __init__(self, name: str, factory: Callable, args: tuple = (), kwargs: dict | None = None, *,
                  num_workers: int, pg, share: float, device: str, process_group: bool = True,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, wait: bool = True):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -101,7 +101,17 @@ class RayWorkerGroup:
                                          "MASTER_PORT": str(port)}) for r, h in enumerate(self.hosts)], "set_env")
         else:
             self._get([h.set_env.remote({"RANK": "0", "WORLD_SIZE": "1"}) for h in self.hosts], "set_env")
-        self._get([h.build.remote(factory, args, kwargs or {}) for h in self.hosts], f"building {name}")
+        self._building = [h.build.remote(factory, args, kwargs or {}) for h in self.hosts]
+        if wait:
+            self.ready()
+
+    def ready(self) -> "RayWorkerGroup":
+        """Wait until every rank has built its worker (groups built with ``wait=False`` load their
+        models side by side)."""
+        if self._building:
+            refs, self._building = self._building, []
+            self._get(refs, f"building {self.name}")
+        return self
 
     # -- calls ------------------------------------------------------------------------------------
     def _get(self, refs: Sequence, what: str) -> list[Any]:
