@@ -49,7 +49,7 @@ from rlhforge.distributed.groups import GroupCheckpoint
 from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.trainers.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
-from rlhforge.trainers.rl_data import PromptStream
+from rlhforge.trainers.rl_data import PromptStream, eval_metrics
 from rlhforge.trainers.rl_workers import PolicyLossSpec
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -426,26 +426,7 @@ class RLTrainer:
             trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
             self.engine.sleep()
         trajs, _ = drop_failed_groups(trajs, n)
-        by_source: dict[str, list[list]] = {}
-        for g in range(len(trajs) // n):
-            group = trajs[g * n : (g + 1) * n]
-            by_source.setdefault(group[0].datasource or "all", []).append(group)
-        out: dict[str, float] = {}
-        all_groups = [grp for groups in by_source.values() for grp in groups]
-
-        def summarise(prefix: str, groups) -> None:
-            flat = [t for grp in groups for t in grp]
-            out[f"{prefix}pass1"] = _mean(t.score for t in flat)
-            out[f"{prefix}pass{n}"] = _mean(max(t.score for t in grp) for grp in groups)
-            out[f"{prefix}reward_mean"] = _mean(t.reward for t in flat)
-            out[f"{prefix}response_length"] = _mean(t.response_length for t in flat)
-            out[f"{prefix}truncated_frac"] = _mean(float(t.truncated) for t in flat)
-
-        summarise("eval/", all_groups)
-        if len(by_source) > 1 or "all" not in by_source:
-            for source, groups in sorted(by_source.items()):
-                summarise(f"eval/{source}/", groups)
-        return out
+        return eval_metrics(trajs, n)
 
     def _update_best(self, metrics: dict[str, float]) -> None:
         key = self.cfg.ckpt.best_metric_key or "eval/pass1"

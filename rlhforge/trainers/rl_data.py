@@ -88,3 +88,31 @@ class PromptStream:
             out.append(self._order_of(episode)[offset])
             self.position += 1
         return out
+
+
+def eval_metrics(trajs, n: int) -> dict[str, float]:
+    """``eval/pass1`` (mean score), ``eval/pass{n}`` (best of each prompt's n samples), reward, length and
+    truncation, over all prompts and (when records name datasources) per datasource."""
+    def mean(xs) -> float:
+        xs = list(xs)
+        return float(sum(xs) / len(xs)) if xs else 0.0
+
+    by_source: dict[str, list[list]] = {}
+    for g in range(len(trajs) // n):
+        group = trajs[g * n : (g + 1) * n]
+        by_source.setdefault(group[0].datasource or "all", []).append(group)
+    out: dict[str, float] = {}
+
+    def summarise(prefix: str, groups) -> None:
+        flat = [t for grp in groups for t in grp]
+        out[f"{prefix}pass1"] = mean(t.score for t in flat)
+        out[f"{prefix}pass{n}"] = mean(max(t.score for t in grp) for grp in groups)
+        out[f"{prefix}reward_mean"] = mean(t.reward for t in flat)
+        out[f"{prefix}response_length"] = mean(t.response_length for t in flat)
+        out[f"{prefix}truncated_frac"] = mean(float(t.truncated) for t in flat)
+
+    summarise("eval/", [grp for groups in by_source.values() for grp in groups])
+    if len(by_source) > 1 or "all" not in by_source:
+        for source, groups in sorted(by_source.items()):
+            summarise(f"eval/{source}/", groups)
+    return out
