@@ -88,6 +88,11 @@ class FSDP2Strategy:
     def barrier(self) -> None:
         barrier(self.world_size)
 
+    def _options(self, **kw):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
+
     def full_state_dict(self):
         """All ranks call this; rank 0 gets full fp32 CPU tensors, the others None."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict

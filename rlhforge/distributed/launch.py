@@ -12,7 +12,7 @@ import os
 
 __all__ = ["init_ray", "ray_device", "build_ray_groups", "close_groups"]
 
-#: Set in every Ray worker unless the user's environment already has them (as OpenRLHF does).
+#: Set in every Ray worker (the driver's own value wins when it has one, as in OpenRLHF).
 RAY_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "WARN"}
 
 
@@ -22,9 +22,8 @@ def init_ray(num_cpus: int | None = None) -> None:
 
     if ray.is_initialized():
         return
-    env = {k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}
     address = os.environ.get("RAY_ADDRESS") or None
-    kwargs = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
+    kwargs = {"log_to_driver": True}  # no runtime_env here: a submitted job keeps its own (working_dir ...)
     if address is None:
         kwargs["num_cpus"] = num_cpus or os.cpu_count()
         kwargs["include_dashboard"] = False
@@ -66,7 +65,7 @@ def build_ray_groups(cfg, tokenizer, plan):
                                colocate_actor_ref=cfg.train.colocate_actor_ref)
     check_resources(placement, ray.available_resources())
     pgs = create_placement_groups(placement)
-    env = {"RLHFORGE_RAY_WORKER": "1"}
+    env = {"RLHFORGE_RAY_WORKER": "1", **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}
 
     def group(name, factory, args, process_group=True):
         g = placement.groups[name]

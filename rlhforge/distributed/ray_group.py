@@ -88,7 +88,7 @@ class RayWorkerGroup:
 
         self.name, self.world_size = name, num_workers
         remote_host = ray.remote(WorkerHost)
-        base_env = {"LOCAL_RANK": "0", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        base_env = {"LOCAL_RANK": "0", **(env or {})}
         self.hosts = []
         for rank in range(num_workers):
             opts = {"num_cpus": share, "num_gpus": share if device == "cuda" else 0,

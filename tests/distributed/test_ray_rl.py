@@ -121,7 +121,7 @@ def test_cli_starts_its_own_ray_and_names_a_failing_worker(tiny_model_dir, tmp_p
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     args = rl_args(tiny_model_dir, tmp_path / "run", "--reward.remote_url", str(write_reward(tmp_path / "r.py")),
-                   "--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2", "--train.colocate_all",
+                   "--train.workers", "ray", "--train.colocate_all",  # one actor and one critic worker: a fast start
                    "--critic.model_name_or_path", str(tmp_path / "no_such_critic"), estimator="gae", steps=1)
     proc = subprocess.run([sys.executable, "-m", "rlhforge.cli.train_ppo_ray", *args], env=env, capture_output=True,
                           text=True, timeout=300)
