@@ -143,8 +143,10 @@ def build_trainer(cfg: RLConfig):
         from rlhforge.rollout.vllm_engine import build_vllm_engines
 
         engine = build_vllm_engines(cfg, tokenizer, max_model_len=_vllm_max_model_len(cfg, prompts, eval_prompts))
-    elif ray_mode or cfg.ds.zero_stage == 3 or cfg.ds.strategy == "fsdp2":  # the driver's own copy of the policy (a ZeRO-3 / FSDP2 module
-        # holds only a shard of each weight), synced from the actor after each step
+    elif (ray_mode or cfg.ds.zero_stage == 3 or cfg.ds.strategy == "fsdp2"
+          or (cfg.ds.lora.rank > 0 and not cfg.ds.load_in_4bit)):
+        # the driver's own copy of the base policy, synced from the actor after each step: a ZeRO-3 / FSDP2
+        # module holds only a shard of each weight, and LoRA adapters arrive merged into the base weights
         engine = HFEngine.from_pretrained(cfg.actor.model_name_or_path, tokenizer, device=device,
                                           batch_size=cfg.rollout.generate_batch_size)
     else:

@@ -163,9 +163,9 @@ def _validate_distributed(cfg: RLConfig) -> None:
               f"{cfg.reward.num_nodes} x --reward.num_gpus_per_node {cfg.reward.num_gpus_per_node} is not used")
     world = cfg.actor.num_nodes * cfg.actor.num_gpus_per_node
     if uses_ray(cfg):
-        if cfg.ds.lora.rank > 0:
-            raise ConfigError("LoRA (--ds.lora.rank) with Ray worker groups needs merged-LoRA weight sync, which "
-                              "rlhforge does not have yet; train LoRA with one worker (--train.workers local)")
+        if cfg.ds.load_in_4bit:
+            raise ConfigError("QLoRA (--ds.load_in_4bit) with Ray worker groups would need its 4-bit base dequantised "
+                              "for the merged weight sync; train QLoRA with one worker (--train.workers local)")
         per_step = cfg.train.batch_size
         groups = [("actor", world)]
         if cfg.uses_critic:
@@ -192,10 +192,10 @@ def _validate_vllm(cfg: RLConfig) -> None:
         raise ConfigError(f"--vllm.tensor_parallel_size must be >= 1 (got {v.tensor_parallel_size})")
     if not 0 < v.gpu_memory_utilization <= 1:
         raise ConfigError(f"--vllm.gpu_memory_utilization must be in (0, 1] (got {v.gpu_memory_utilization})")
-    if cfg.ds.lora.rank > 0:
-        raise ConfigError(f"--vllm.num_engines {v.num_engines} with LoRA (--ds.lora.rank {cfg.ds.lora.rank}) needs "
-                          "merged-LoRA weight sync, which rlhforge does not have yet; drop --vllm.num_engines "
-                          "(the HF engine generates) or train without LoRA")
+    if cfg.ds.lora.rank > 0 and cfg.ds.load_in_4bit:
+        raise ConfigError(f"--vllm.num_engines {v.num_engines} with QLoRA (--ds.load_in_4bit) would need its 4-bit base "
+                          "dequantised for the merged weight sync; drop --vllm.num_engines (the HF engine generates) "
+                          "or train LoRA without --ds.load_in_4bit")
     from rlhforge.rollout.vllm_engine import vllm_available, vllm_is_cpu_build
 
     if not vllm_available():

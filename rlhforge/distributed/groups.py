@@ -92,7 +92,7 @@ class InProcessGroup:
 
     def gather_weights(self) -> dict:
         """The full state dict of the model (for the engines)."""
-        return self.call("full_state_dict")[0]
+        return self.call("engine_state_dict")[0]
 
     @property
     def local(self):

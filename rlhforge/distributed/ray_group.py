@@ -210,7 +210,7 @@ class RayWorkerGroup:
         """Full weights: every rank gathers, rank 0 broadcasts them in buckets over the channel (or,
         without one, returns them through Ray's object store)."""
         if getattr(self, "receiver", None) is None:
-            return self.call("full_state_dict")[0]
+            return self.call("engine_state_dict")[0]
         refs = [h.run.remote("send_weights", (), {}) for h in self.hosts]
         return self._wait_with(refs, "send_weights", self.receiver.receive)
 

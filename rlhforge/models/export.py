@@ -51,3 +51,34 @@ def merge_lora(base_dir: str, adapter_dir: str, out_dir: str, dtype: str = "fp32
     src = adapter_dir if any(Path(adapter_dir).glob("tokenizer*")) else base_dir
     AutoTokenizer.from_pretrained(src).save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def merged_lora_state(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA model's full state dict (PEFT names) -> the base model's names with every adapter
+    merged, ``W = W_base + scaling * B @ A``, computed out of place (the trained model is untouched).
+    This is what generation engines load after each update (weight sync of a LoRA actor). ``model``
+    is the PEFT model the state came from (for each LoRA layer's scaling)."""
+    from peft.tuners.lora import LoraLayer
+
+    scalings: dict[str, dict[str, float]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            if getattr(module, "fan_in_fan_out", False):
+                raise ValueError(f"{name}: merging fan_in_fan_out LoRA layers for weight sync is not supported")
+            scalings[name] = dict(module.scaling)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if ".lora_" in key:
+            continue
+        module_name, _, leaf = key.rpartition(".")
+        if module_name.endswith(".base_layer"):
+            owner = module_name[: -len(".base_layer")]
+            if leaf == "weight" and owner in scalings:
+                merged = tensor.float()
+                for adapter, scale in scalings[owner].items():
+                    a, b = state[f"{owner}.lora_A.{adapter}.weight"], state[f"{owner}.lora_B.{adapter}.weight"]
+                    merged = merged + scale * (b.float() @ a.float())
+                tensor = merged.to(tensor.dtype)
+            key = f"{owner}.{leaf}"
+        out[key.removeprefix("base_model.model.")] = tensor
+    return out

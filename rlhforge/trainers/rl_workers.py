@@ -202,6 +202,17 @@ class ActorWorker(_TrainableWorker):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.strategy.full_state_dict()
 
+    def engine_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The weights generation engines load: the full state dict (all ranks take part, rank 0 gets it),
+        with LoRA adapters merged into the base weights (base-model names). QLoRA stays unmerged (its
+        in-process engine is a copy of the PEFT model)."""
+        state = self.strategy.full_state_dict()
+        if state is not None and self.cfg.ds.lora.rank > 0 and not self.cfg.ds.load_in_4bit:
+            from rlhforge.models.export import merged_lora_state
+
+            state = merged_lora_state(state, self.strategy.module)
+        return state
+
     # -- weight sync to the driver's engines over a dedicated channel (Ray workers) -------------
     def open_weight_channel(self, host: str, port: int, bucket_bytes: int) -> None:
         from rlhforge.distributed.weight_sync import WeightSender
@@ -210,7 +221,7 @@ class ActorWorker(_TrainableWorker):
 
     def send_weights(self) -> int:
         """All ranks gather; rank 0 broadcasts to the driver. Returns the number of buckets (rank 0)."""
-        state = self.strategy.full_state_dict()
+        state = self.engine_state_dict()
         if state is None:
             return 0
         return self._sender.send(state)

@@ -23,11 +23,13 @@ def _run(model, out, reward, estimator, stage, *extra):
 
 @pytest.mark.parametrize("estimator, stage", [("gae", "3"), ("group_norm", "2"), ("gae", "2"), ("group_norm", "3"),
                                              ("gae", "fsdp2")],
-                         ids=["ppo_critic_zero3", "grpo_zero2", "ppo_critic_zero2", "grpo_zero3", "ppo_critic_fsdp2"])
+                         ids=["ppo_critic_zero3", "grpo_zero2_lora", "ppo_critic_zero2", "grpo_zero3", "ppo_critic_fsdp2"])
 def test_ray_data_parallel_matches_single_process(ray_cluster, tiny_model_dir, tmp_path, estimator, stage):
     reward = str(write_reward(tmp_path / "r.py"))
     # hybrid-engine sleep on one of them: a no-op on CPU devices, and it must not change anything
     sleep = ["--ds.enable_sleep"] if (estimator, stage) == ("group_norm", "3") else []
+    if (estimator, stage) == ("group_norm", "2"):  # LoRA: the driver's engine gets the merged weights
+        sleep += ["--ds.lora.rank", "8", "--ds.lora.alpha", "16"]
     single = _run(tiny_model_dir, tmp_path / "single", reward, estimator, stage, "--train.workers", "local", *sleep)
     ray_args = ["--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2", "--train.colocate_all", *sleep,
                 "--ckpt.save_steps", "1"]
@@ -43,10 +45,11 @@ def test_ray_data_parallel_matches_single_process(ray_cluster, tiny_model_dir, t
         for step in a:
             assert b[step] == pytest.approx(a[step], rel=1e-3, abs=1e-5), (key, step)
     assert any(abs(v) > 1e-4 for v in per_step(single, "actor/policy_loss").values())  # a real update happened
-    # the exported policy equals the single-process one
+    # the exported policy (or LoRA adapter) equals the single-process one
     from safetensors.torch import load_file
 
-    wa, wb = load_file(single / "model.safetensors"), load_file(dp / "model.safetensors")
+    name = "adapter_model.safetensors" if (single / "adapter_model.safetensors").exists() else "model.safetensors"
+    wa, wb = load_file(single / name), load_file(dp / name)
     assert wa.keys() == wb.keys()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     assert "perf/peak_memory_gb" in metrics(dp)[-1]

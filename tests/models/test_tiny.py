@@ -40,3 +40,32 @@ def test_head_dim_below_32_is_rejected():
 
     with pytest.raises(ValueError, match="head_dim .* = 16; vLLM"):
         TinyModelSpec(hidden_size=64, num_attention_heads=4)
+
+
+def test_merged_lora_state_equals_peft_merge_and_unload(tiny_model_dir):
+    """The weight-sync merge (out of place, from a state dict) == PEFT's own merge_and_unload."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlhforge.models.export import merged_lora_state
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: give the adapters a real delta
+            torch.nn.init.normal_(p, std=0.1)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    merged = merged_lora_state(state, model)
+    assert not any("lora_" in k or "base_layer" in k for k in merged)
+    reference = model.merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    changed = 0
+    for k, v in reference.items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        base = state.get(f"base_model.model.{k}")
+        if base is None:  # a LoRA layer's weight: the base it was merged into
+            base = state[f"base_model.model.{k.removesuffix('.weight')}.base_layer.weight"]
+        changed += int(not torch.equal(merged[k], base))
+    assert changed == 14  # 7 linear layers x 2 blocks carried a delta (+ nothing else changed)

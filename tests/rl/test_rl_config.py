@@ -99,8 +99,8 @@ def test_vllm_flag_validation():
 
     with pytest.raises(ConfigError, match=r"--vllm.num_engines must be >= 0 \(got -1"):
         parse_rl_args(BASE + ["--vllm.num_engines", "-1"])
-    with pytest.raises(ConfigError, match=r"with LoRA \(--ds.lora.rank 4\) needs merged-LoRA weight sync"):
-        parse_rl_args(BASE + ["--vllm.num_engines", "1", "--ds.lora.rank", "4"])
+    with pytest.raises(ConfigError, match=r"with QLoRA \(--ds.load_in_4bit\) would need its 4-bit base dequantised"):
+        parse_rl_args(BASE + ["--vllm.num_engines", "1", "--ds.lora.rank", "4", "--ds.load_in_4bit"])
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
         parse_rl_args(BASE + ["--vllm.num_engines", "1", "--vllm.gpu_memory_utilization", "1.5"])
     assert parse_rl_args(BASE + ["--vllm.num_engines", "0"]).vllm.num_engines == 0  # 0: the HF engine
@@ -116,7 +116,7 @@ def test_vllm_flag_validation():
     (["--train.agent_env_concurrency", "0"], "agent_env_concurrency must be >= 1"),
     (["--train.workers", "local", "--actor.num_gpus_per_node", "2"], "use --train.workers ray"),
     (["--actor.num_gpus_per_node", "3"], r"must be divisible by --train.micro_batch_size x actor workers \(1 x 3 = 3\)"),
-    (["--actor.num_gpus_per_node", "2", "--ds.lora.rank", "4"], "LoRA .* with Ray worker groups"),
+    (["--actor.num_gpus_per_node", "2", "--ds.lora.rank", "4", "--ds.load_in_4bit"], "QLoRA .* with Ray worker groups"),
     (["--actor.num_gpus_per_node", "0"], r"must be >= 1 \(got 1 and 0\)"),
     (["--algo.advantage.estimator", "group_norm"], r"group_norm needs rollout.n_samples_per_prompt > 1 \(got 1\)"),
     (["--actor.dual_clip", "0.5"], "dual_clip must be > 1"),

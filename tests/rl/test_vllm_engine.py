@@ -120,19 +120,21 @@ def test_update_weights_makes_vllm_greedy_equal_the_trained_hf_model(engine, tok
     assert [o.token_ids for o in asyncio.run(engine.generate(prompts, greedy))] == before
 
 
-def test_grpo_end_to_end_through_the_cli_with_one_vllm_engine(tiny_model_dir, tmp_path, engine):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora_merged"])
+def test_grpo_end_to_end_through_the_cli_with_one_vllm_engine(tiny_model_dir, tmp_path, engine, lora):
     from rlhforge.cli.train_ppo_ray import main as rl_main
 
     out = tmp_path / "run"
+    extra = ["--ds.lora.rank", "8", "--ds.lora.alpha", "16"] if lora else []  # synced as merged base weights
     assert rl_main(rl_args(tiny_model_dir, out, "--vllm.num_engines", "1", "--vllm.enable_prefix_caching",
-                           "--vllm.enforce_eager", steps=2)) == 0
+                           "--vllm.enforce_eager", *extra, steps=2)) == 0
     rows = [r for r in metrics(out) if "timing/weight_sync" in r]
     assert len(rows) == 2 and all(r["timing/generation"] > 0 for r in rows)
     # step 2 samples from the weights synced after step 1: the engine's log-probs are the actor's
     diffs = [r["rollout/logprob_diff_rollout_vs_train"] for r in metrics(out)
              if "rollout/logprob_diff_rollout_vs_train" in r]
     assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
-    assert (out / "model.safetensors").is_file()
+    assert (out / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
 
 
 @pytest.mark.slow
