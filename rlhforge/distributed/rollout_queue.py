@@ -49,7 +49,7 @@ Produce = Callable[[], tuple[list, dict, int]]
 
 
 class SyncRollouts:
-    def __init__(self, produce: Produce, engine_lock: threading.Lock | None = None):
+    def __init__(self, produce: Produce):
         self.produce = produce
         self.version = 0
 

@@ -91,3 +91,19 @@ def resume_trainer_state(strategy, ckpt_cfg, logger) -> dict | None:
     if strategy.is_rank0:
         print(f"[rlhforge] resumed from {path} at step {state['global_step']}")
     return state
+
+
+def indices_for_step(global_step: int, plan, num_samples: int, seed: int, strategy) -> tuple[int, int, list[int]]:
+    """``(epoch, step in epoch, this rank's sample indices)`` of optimizer step ``global_step`` (deterministic
+    per epoch, so a resumed run takes the same samples)."""
+    epoch, step_in_epoch = divmod(global_step, plan.steps_per_epoch)
+    order = epoch_order(num_samples, seed, epoch)
+    return epoch, step_in_epoch, step_indices(order, step_in_epoch, plan.batch_size, strategy.rank, strategy.world_size)
+
+
+def step_timing(metrics: dict, epoch: int, step_in_epoch: int, steps_per_epoch: int, elapsed: float,
+                per_s: Sequence[str] = ("tokens",)) -> dict[str, float]:
+    """``train/epoch``, ``timing/step`` and ``perf/{x}_per_s`` for each ``train/{x}`` count in ``per_s``."""
+    out = {"train/epoch": epoch + (step_in_epoch + 1) / steps_per_epoch, "timing/step": elapsed}
+    out.update({f"perf/{x}_per_s": metrics[f"train/{x}"] / elapsed for x in per_s})
+    return out

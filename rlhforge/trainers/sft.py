@@ -21,13 +21,13 @@ from rlhforge.data.packing import collate_packed, collate_padded
 from rlhforge.models.export import save_hf
 from rlhforge.models.forward import token_logprobs
 from rlhforge.trainers.common import (
-    epoch_order,
+    indices_for_step,
     is_eval_step,
     micro_batches,
     pad_micro_batch_count,
     resume_trainer_state,
     save_step_checkpoint,
-    step_indices,
+    step_timing,
 )
 from rlhforge.tracking.metrics import MetricsLogger
 from rlhforge.tracking.progress import Progress, progress_enabled
@@ -72,16 +72,14 @@ class SFTTrainer:
                        enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="sft")
         strategy.train()
         while self.state.global_step < plan.total_steps:
-            epoch, step_in_epoch = divmod(self.state.global_step, plan.steps_per_epoch)
-            order = epoch_order(len(self.train_samples), cfg.train.seed, epoch)
-            indices = step_indices(order, step_in_epoch, plan.batch_size, strategy.rank, strategy.world_size)
+            epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
+                                                             cfg.train.seed, strategy)
             start = time.perf_counter()
             metrics = self.train_step(indices)
             self.state.global_step += 1
             step = self.state.global_step
-            metrics.update({"train/epoch": epoch + (step_in_epoch + 1) / plan.steps_per_epoch,
-                            "timing/step": time.perf_counter() - start})
-            metrics["perf/tokens_per_s"] = metrics["train/tokens"] / metrics["timing/step"]
+            metrics.update(step_timing(metrics, epoch, step_in_epoch, plan.steps_per_epoch, time.perf_counter() - start,
+                                       per_s=('tokens',)))
             if is_eval_step(step, plan.steps_per_epoch, cfg.eval.steps):
                 metrics.update(self.evaluate())
             if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
