@@ -56,7 +56,7 @@ def test_generator_errors_reach_the_trainer():
     source.close()
 
 
-def test_weight_sync_waits_for_the_batch_unless_partial():
+def test_weight_sync_waits_for_the_batch_being_generated():
     lock = threading.Lock()
     events = []
 
