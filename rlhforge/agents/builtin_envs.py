@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhforge.agents.registry import register_env, register_task
 
 __all__ = ["math_score", "math_tir_generate", "label_answer", "sandbox"]
 
@@ -96,7 +95,11 @@ def math_tir_experience_filter(group) -> bool:
     return not all(t.extra.get("tir_sandbox_errors", 0.0) > 0 for t in group)
 
 
-register_task("math", math_score, reward_fail=_zero_on_failure)
-register_task("math_tir", math_score, sample_filter=math_tir_sample_filter,
-              experience_filter=math_tir_experience_filter, reward_fail=_zero_on_failure)
-register_env("math_tir", math_tir_generate)
+# What the registry registers before the first lookup (``rlhforge.agents.registry``): task name ->
+# keyword arguments of ``register_task``, env name -> generate function.
+BUILTIN_TASKS: dict[str, dict[str, Any]] = {
+    "math": dict(reward=math_score, reward_fail=_zero_on_failure),
+    "math_tir": dict(reward=math_score, sample_filter=math_tir_sample_filter,
+                     experience_filter=math_tir_experience_filter, reward_fail=_zero_on_failure),
+}
+BUILTIN_ENVS: dict[str, Any] = {"math_tir": math_tir_generate}

@@ -93,8 +93,23 @@ def register_env(name: str, generate: Callable | None = None):
     return add(generate) if generate is not None else add
 
 
+_BUILTINS_DONE = False
+
+
 def _builtins() -> None:
-    import rlhforge.agents.builtin_envs  # noqa: F401 - registers math, math_tir
+    """Register the built-in tasks and envs (math, math_tir) once; a user's registration of the same
+    name made earlier wins."""
+    global _BUILTINS_DONE
+    if _BUILTINS_DONE:
+        return
+    from rlhforge.agents.builtin_envs import BUILTIN_ENVS, BUILTIN_TASKS
+
+    _BUILTINS_DONE = True
+    for name, kwargs in BUILTIN_TASKS.items():
+        if name not in TASKS:
+            register_task(name, **kwargs)
+    for name, fn in BUILTIN_ENVS.items():
+        ENVS.setdefault(name, fn)
 
 
 def get_task(name: str | None) -> Task:

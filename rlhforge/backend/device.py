@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 
 import torch
@@ -97,3 +98,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def seed_everything(seed: int, full_determinism: bool = False) -> None:
+    """Seed Python, NumPy and torch (every process of a run calls this with the run's seed)."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if full_determinism:
+        torch.use_deterministic_algorithms(True, warn_only=True)

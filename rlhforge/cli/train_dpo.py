@@ -48,7 +48,7 @@ def load_reference_model(cfg: DPOConfig, strategy):
 def run(cfg: DPOConfig) -> Path:
     """Train and export; returns the output folder. Usable from Python as well as the CLI."""
     from rlhforge.backend.device import dist_info
-    from rlhforge.backend.strategy import build_strategy
+    from rlhforge.backend.factory import build_strategy
     from rlhforge.config.batching import plan_batches
     from rlhforge.models.loading import load_causal_lm, load_tokenizer
     from rlhforge.trainers.common import seed_everything

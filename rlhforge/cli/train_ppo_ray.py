@@ -15,59 +15,9 @@ from pathlib import Path
 
 from rlhforge.config.parsing import ConfigError, save_yaml, to_dict
 from rlhforge.config.rl import RLConfig
-from rlhforge.config.rl_rules import RL_LEGACY_ALIASES, RL_LEGACY_SWITCHES
+from rlhforge.config.rl_aliases import rewrite_rl_argv
 
 CONFIG_CLASS = RLConfig
-
-
-#: OpenRLHF 0.10's ``--algo.advantage.is_correction_type`` -> 0.11.2's level / mode / gating.
-IS_CORRECTION_TYPES = {"tis": ("token", "clip", "ratio"), "icepop": ("token", "mask", "ratio"),
-                       "seq-mask-tis": ("seq", "mask", "ratio")}
-
-
-def _rewrite_is_correction(argv: list[str], warn) -> list[str]:
-    """``--algo.advantage.is_correction_enable [--algo.advantage.is_correction_type T]`` (OpenRLHF 0.10)
-    -> ``--algo.advantage.is_correction_{level,mode,gating}`` (0.11.2). The type alone does nothing,
-    as in 0.10."""
-    enable_flag, type_flag = "--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type"
-    if enable_flag not in argv and type_flag not in argv:
-        return argv
-    out, enabled, kind, i = [], False, "tis", 0
-    while i < len(argv):
-        if argv[i] == enable_flag:
-            enabled, i = True, i + 1
-        elif argv[i] == type_flag:
-            if i + 1 >= len(argv) or argv[i + 1] not in IS_CORRECTION_TYPES:
-                got = argv[i + 1] if i + 1 < len(argv) else "nothing"
-                raise ConfigError(f"{type_flag} must be one of {', '.join(IS_CORRECTION_TYPES)} (got {got})")
-            kind, i = argv[i + 1], i + 2
-        else:
-            out.append(argv[i])
-            i += 1
-    if enabled:
-        level, mode, gating = IS_CORRECTION_TYPES[kind]
-        warn(f"[rlhforge] {enable_flag} / {type_flag} {kind} are OpenRLHF 0.10 names; use "
-             f"--algo.advantage.is_correction_level {level} --algo.advantage.is_correction_mode {mode} "
-             f"--algo.advantage.is_correction_gating {gating}")
-        out += ["--algo.advantage.is_correction_level", level, "--algo.advantage.is_correction_mode", mode,
-                "--algo.advantage.is_correction_gating", gating]
-    return out
-
-
-def rewrite_rl_argv(argv: list[str], warn=lambda msg: print(msg, file=sys.stderr)) -> list[str]:
-    """OpenRLHF 0.9 flat names and 0.10 IS-correction names -> current dotted ones (one deprecation
-    line each)."""
-    from rlhforge.config.parsing import rewrite_aliases
-
-    argv = _rewrite_is_correction(list(argv), warn)
-    out: list[str] = []
-    for token in argv:
-        if token in RL_LEGACY_SWITCHES:
-            warn(f"[rlhforge] {token} is deprecated; use {' '.join(RL_LEGACY_SWITCHES[token])}")
-            out.extend(RL_LEGACY_SWITCHES[token])
-        else:
-            out.append(token)
-    return rewrite_aliases(out, current={}, legacy=RL_LEGACY_ALIASES, warn=warn)
 
 
 def parse_rl_args(argv: list[str] | None = None, *, prog: str | None = None, validate: bool = True,
@@ -96,7 +46,7 @@ def build_trainer(cfg: RLConfig):
     from rlhforge.trainers.rl import RLTrainer
     from rlhforge.trainers.rl_data import load_prompts
     from rlhforge.config.rl_rules import uses_ray
-    from rlhforge.trainers.rl_workers import ActorWorker, CriticWorker, InProcessGroup, RefWorker
+    from rlhforge.distributed.workers import ActorWorker, CriticWorker, InProcessGroup, RefWorker
     from rlhforge.tracking.metrics import MetricsLogger
     from rlhforge.backend.device import dist_info, resolve_device
 

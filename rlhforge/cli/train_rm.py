@@ -50,7 +50,7 @@ def load_preference_data(cfg, tokenizer, *, force_eos: bool, use_margin: bool):
 def run(cfg: RMConfig) -> Path:
     """Train and export; returns the output folder. Usable from Python as well as the CLI."""
     from rlhforge.backend.device import dist_info
-    from rlhforge.backend.strategy import build_strategy
+    from rlhforge.backend.factory import build_strategy
     from rlhforge.config.batching import plan_batches
     from rlhforge.models.loading import load_tokenizer
     from rlhforge.models.reward import load_reward_model

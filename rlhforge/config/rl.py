@@ -8,7 +8,7 @@ built yet (vLLM engines, Ray placement, async training, agents, VLM, EMA ...) ar
 name and fail at start-up when set to anything but their default (``validate``), never silently.
 
 OpenRLHF 0.9's flat names (``--pretrain``, ``--rollout_batch_size``, ``--init_kl_coef`` ...) are
-rewritten by :data:`rlhforge.config.rl_rules.RL_LEGACY_ALIASES` with a one-line deprecation notice.
+rewritten by :data:`rlhforge.config.rl_aliases.RL_LEGACY_ALIASES` with a one-line deprecation notice.
 Validation and the alias tables live in :mod:`rlhforge.config.rl_rules`.
 """
 

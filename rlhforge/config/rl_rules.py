@@ -1,9 +1,9 @@
-"""Start-up rules of ``rlhforge rl``: features not built yet, validation, OpenRLHF 0.9 aliases."""
+"""Start-up rules of ``rlhforge rl``: features not built yet, validation (``cfg`` is an
+:class:`~rlhforge.config.rl.RLConfig`; the OpenRLHF aliases live in :mod:`rlhforge.config.rl_aliases`)."""
 
 from __future__ import annotations
 
-from rlhforge.config.parsing import LEGACY_ALIASES, ConfigError
-from rlhforge.config.rl import RLConfig
+from rlhforge.config.parsing import ConfigError
 
 # --------------------------------------------------------------------------------------------- validation
 
@@ -39,7 +39,7 @@ def _get(cfg, dotted: str):
     return node
 
 
-def validate_rl(cfg: RLConfig) -> None:
+def validate_rl(cfg) -> None:
     """Start-up checks with messages that show the value, the rule and the fix."""
     if cfg.actor.model_name_or_path is None:
         raise ConfigError("--actor.model_name_or_path is required (an HF hub id or a local folder)")
@@ -128,7 +128,7 @@ def validate_rl(cfg: RLConfig) -> None:
                     num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs)
 
 
-def uses_ray(cfg: RLConfig) -> bool:
+def uses_ray(cfg) -> bool:
     """Whether the models run as Ray actor groups (``--train.workers``)."""
     import os
 
@@ -142,7 +142,7 @@ def uses_ray(cfg: RLConfig) -> bool:
     return max(sizes) > 1 or bool(os.environ.get("RAY_ADDRESS"))
 
 
-def _validate_distributed(cfg: RLConfig) -> None:
+def _validate_distributed(cfg) -> None:
     t = cfg.train
     for name in ("actor", "critic", "ref"):
         sec = getattr(cfg, name)
@@ -181,7 +181,7 @@ def _validate_distributed(cfg: RLConfig) -> None:
                           f"{cfg.actor.num_gpus_per_node}); use --train.workers ray")
 
 
-def _validate_vllm(cfg: RLConfig) -> None:
+def _validate_vllm(cfg) -> None:
     """``--vllm.*``: engines are built when ``num_engines >= 1`` (None/0: the in-process HF engine)."""
     v = cfg.vllm
     if v.num_engines is None or v.num_engines == 0:
@@ -208,103 +208,3 @@ def _validate_vllm(cfg: RLConfig) -> None:
         if v.tensor_parallel_size != 1:
             raise ConfigError(f"--vllm.tensor_parallel_size {v.tensor_parallel_size}: vLLM on CPU runs each engine "
                               "in one process here; use 1")
-
-
-# --------------------------------------------------------------------------------------------- aliases
-
-#: OpenRLHF <= 0.9 flat names of ``train_ppo_ray`` -> our dotted names (rewritten with a notice).
-RL_LEGACY_ALIASES: dict[str, str] = {
-    **{k: v for k, v in LEGACY_ALIASES.items() if not v.startswith(("--model.", "--data.", "--eval.dataset",
-                                                                         "--eval.split", "--optim."))},
-    "--pretrain": "--actor.model_name_or_path",
-    "--reward_pretrain": "--reward.model_name_or_path",
-    "--critic_pretrain": "--critic.model_name_or_path",
-    "--remote_rm_url": "--reward.remote_url",
-    "--colocate_all_models": "--train.colocate_all",
-    "--colocate_actor_ref": "--train.colocate_actor_ref",
-    "--colocate_critic_reward": "--train.colocate_critic_reward",
-    "--ref_num_nodes": "--ref.num_nodes",
-    "--ref_num_gpus_per_node": "--ref.num_gpus_per_node",
-    "--reward_num_nodes": "--reward.num_nodes",
-    "--reward_num_gpus_per_node": "--reward.num_gpus_per_node",
-    "--critic_num_nodes": "--critic.num_nodes",
-    "--critic_num_gpus_per_node": "--critic.num_gpus_per_node",
-    "--actor_num_nodes": "--actor.num_nodes",
-    "--actor_num_gpus_per_node": "--actor.num_gpus_per_node",
-    "--vllm_num_engines": "--vllm.num_engines",
-    "--vllm_tensor_parallel_size": "--vllm.tensor_parallel_size",
-    "--vllm_sync_backend": "--vllm.sync_backend",
-    "--vllm_sync_with_ray": "--vllm.sync_with_ray",
-    "--enable_prefix_caching": "--vllm.enable_prefix_caching",
-    "--enforce_eager": "--vllm.enforce_eager",
-    "--vllm_enable_sleep": "--vllm.enable_sleep",
-    "--vllm_gpu_memory_utilization": "--vllm.gpu_memory_utilization",
-    "--deepspeed_enable_sleep": "--ds.enable_sleep",
-    "--advantage_estimator": "--algo.advantage.estimator",
-    "--gamma": "--algo.advantage.gamma",
-    "--lambd": "--algo.advantage.lambd",
-    "--no_advantage_std_norm": "--algo.advantage.no_std_norm",
-    "--init_kl_coef": "--algo.kl.init_coef",
-    "--kl_target": "--algo.kl.target",
-    "--kl_horizon": "--algo.kl.horizon",
-    "--kl_estimator": "--algo.kl.estimator",
-    "--use_kl_loss": "--algo.kl.use_loss",
-    "--dynamic_filtering": "--algo.dynamic_filtering_enable",
-    "--dynamic_filtering_reward_range": "--algo.dynamic_filtering_range",
-    "--async_train": "--train.async_enable",
-    "--micro_rollout_batch_size": "--rollout.micro_batch_size",
-    "--rollout_batch_size": "--rollout.batch_size",
-    "--n_samples_per_prompt": "--rollout.n_samples_per_prompt",
-    "--generate_max_len": "--rollout.max_new_tokens",
-    "--temperature": "--rollout.temperature",
-    "--top_p": "--rollout.top_p",
-    "--num_episodes": "--train.num_episodes",
-    "--actor_learning_rate": "--actor.adam.lr",
-    "--critic_learning_rate": "--critic.adam.lr",
-    "--lr_warmup_ratio": "--actor.lr_warmup_ratio",
-    "--max_norm": "--actor.max_norm",
-    "--l2": "--actor.adam.weight_decay",
-    "--adam_betas": "--actor.adam.betas",
-    "--eps_clip": "--actor.eps_clip",
-    "--eps_clip_low_high": "--actor.eps_clip_low_high",
-    "--dual_clip": "--actor.dual_clip",
-    "--policy_loss_type": "--actor.policy_loss_type",
-    "--entropy_loss_coef": "--actor.entropy_coef",
-    "--value_clip": "--critic.value_clip",
-    "--freezing_actor_steps": "--critic.freezing_steps",
-    "--save_value_network": "--critic.save_value_network",
-    "--normalize_reward": "--reward.normalize_enable",
-    "--reward_clip_range": "--reward.clip_range",
-    "--overlong_buffer_len": "--reward.overlong_buffer_len",
-    "--overlong_penalty_factor": "--reward.overlong_penalty_factor",
-    "--stop_properly_penalty_coef": "--reward.stop_properly_penalty_coef",
-    "--ref_reward_offload": "--ref.offload",
-    "--gradient_checkpointing": "--actor.gradient_checkpointing_enable",
-    "--gradient_checkpointing_use_reentrant": "--actor.gradient_checkpointing_reentrant",
-    "--aux_loss_coef": "--actor.aux_loss_coef",
-    "--value_head_prefix": "--ds.value_head_prefix",
-    "--prompt_data": "--data.prompt_dataset",
-    "--prompt_data_probs": "--data.prompt_probs",
-    "--prompt_split": "--data.prompt_split",
-    "--eval_dataset": "--eval.dataset",
-    "--eval_split": "--eval.split",
-    "--eval_temperature": "--eval.temperature",
-    "--eval_n_samples_per_prompt": "--eval.n_samples_per_prompt",
-    "--input_key": "--data.input_key",
-    "--label_key": "--data.label_key",
-    "--input_template": "--data.input_template",
-    "--apply_chat_template": "--data.apply_chat_template",
-    "--tokenizer_chat_template": "--data.tokenizer_chat_template",
-    "--max_len": "--data.max_len",
-    "--prompt_max_len": "--data.prompt_max_len",
-    "--max_samples": "--data.max_samples",
-    "--disable_fast_tokenizer": "--data.disable_fast_tokenizer",
-    "--agent_func_path": "--train.agent_func_path",
-    "--best_metric_key": "--ckpt.best_metric_key",
-}
-
-#: OpenRLHF <= 0.9 switches whose meaning is a value here.
-RL_LEGACY_SWITCHES: dict[str, list[str]] = {
-    "--enable_vllm_is_correction": ["--algo.advantage.is_correction_level", "token",
-                                    "--algo.advantage.is_correction_mode", "clip"],
-}

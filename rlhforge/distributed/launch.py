@@ -52,7 +52,7 @@ def build_ray_groups(cfg, tokenizer, plan):
 
     from rlhforge.distributed.placement import check_resources, plan_placement
     from rlhforge.distributed.ray_group import RayWorkerGroup, create_placement_groups
-    from rlhforge.trainers.rl_workers import ActorWorker, CriticWorker, RefWorker
+    from rlhforge.distributed.workers import ActorWorker, CriticWorker, RefWorker
 
     init_ray()
     device = ray_device(cfg.train.device)

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
-
-def seed_everything(seed: int, full_determinism: bool = False) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if full_determinism:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+from rlhforge.backend.device import seed_everything  # noqa: F401 - re-exported for the trainers
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:

@@ -7,7 +7,7 @@ The algorithm is a choice, not a separate trainer: ``--algo.advantage.estimator`
 critic; reinforce, reinforce_baseline, rloo, group_norm = GRPO, dr_grpo, flash_reinforce without
 one) and ``--actor.policy_loss_type`` (ppo, gspo). Per-model work lives in worker groups
 (:mod:`rlhforge.distributed`: in this process, or Ray actor groups of data-parallel ranks; workers in
-:mod:`rlhforge.trainers.rl_workers`); generation behind a ``GenerationEngine``; rollouts come from
+:mod:`rlhforge.distributed.workers`); generation behind a ``GenerationEngine``; rollouts come from
 an agent executor as token-level :class:`~rlhforge.agents.types.Trajectory` objects, generated when
 a step asks (sync) or ahead of it by at most ``train.async_queue_size`` weight versions
 (``--train.async_enable``, :mod:`rlhforge.distributed.rollout_queue`).
@@ -48,9 +48,9 @@ from rlhforge.config.batching import RLBatchPlan
 from rlhforge.distributed.groups import GroupCheckpoint
 from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
 from rlhforge.rollout.engine import SamplingParams
-from rlhforge.trainers.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
+from rlhforge.distributed.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
 from rlhforge.trainers.rl_data import PromptStream, eval_metrics
-from rlhforge.trainers.rl_workers import PolicyLossSpec
+from rlhforge.distributed.workers import PolicyLossSpec
 from rlhforge.tracking.progress import Progress, progress_enabled
 
 __all__ = ["RLTrainer", "RLState", "request_seed"]

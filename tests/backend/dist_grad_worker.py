@@ -37,7 +37,7 @@ def main():
     model_dir, out_path, micro = sys.argv[1], sys.argv[2], int(sys.argv[3])
     from transformers import AutoModelForCausalLM
 
-    from rlhforge.backend.strategy import build_strategy
+    from rlhforge.backend.factory import build_strategy
     from rlhforge.config.batching import plan_batches
     from rlhforge.config.components import DSConfig, OptimConfig, TrainConfig
 

@@ -35,9 +35,9 @@ from rlhforge.algorithms import (
 )
 from rlhforge.config.batching import BatchPlan
 from rlhforge.distributed.groups import InProcessGroup
-from rlhforge.trainers.common import seed_everything
+from rlhforge.backend.device import seed_everything
 from rlhforge.models.forward import is_packed, token_logprobs
-from rlhforge.trainers.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
+from rlhforge.distributed.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
 
 __all__ = ["InProcessGroup", "ActorWorker", "RefWorker", "CriticWorker", "token_values", "PolicyLossSpec"]
 
@@ -126,7 +126,7 @@ class PolicyLossSpec:
 
 class ActorWorker(_TrainableWorker):
     def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
-        from rlhforge.backend.strategy import build_strategy
+        from rlhforge.backend.factory import build_strategy
         from rlhforge.models.loading import load_causal_lm
 
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -276,7 +276,7 @@ def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
 
 class CriticWorker(_TrainableWorker):
     def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
-        from rlhforge.backend.strategy import build_strategy
+        from rlhforge.backend.factory import build_strategy
         from rlhforge.models.reward import load_reward_model
 
         self.cfg, self.tokenizer = cfg, tokenizer
