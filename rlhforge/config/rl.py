@@ -78,9 +78,11 @@ class ActorConfig(_ModelOptim):
     """Dual-clip constant c > 1 for negative advantages (None disables)."""
     policy_loss_type: Literal["ppo", "gspo"] = "ppo"
     """Policy loss: token-level PPO clip, or GSPO's sequence-level ratio (uses ``seq-mean-token-mean``)."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses become one number: global token mean, or mean over sequences of the
-    per-sequence token mean. Counts are global over the whole optimizer step."""
+    per-sequence token mean (OpenRLHF's two), or (rlhforge-only, the Dr. GRPO paper's normaliser) the
+    per-sequence token sum divided by the constant ``rollout.max_new_tokens``, averaged over sequences.
+    Counts are global over the whole optimizer step."""
     entropy_coef: float | None = None
     """Entropy bonus coefficient (None or 0: entropy is logged only)."""
     aux_loss_coef: float = 0.0
@@ -280,7 +282,8 @@ class AdvantageConfig:
     lambd: float = 1.0
     """GAE lambda."""
     no_std_norm: bool = False
-    """Do not divide by the std when whitening (and group_norm becomes mean-centering only)."""
+    """Global whitening keeps the centring and drops the division by the std (as OpenRLHF: group_norm
+    still divides by the group std; for mean-centred groups use ``dr_grpo``)."""
     is_correction_level: Literal["off", "token", "seq"] = "off"
     """Importance-sampling correction between the rollout engine's and the trainer's log-probs."""
     is_correction_mode: Literal["mask", "clip"] = "mask"
