@@ -3,6 +3,9 @@
 Single-turn (:mod:`.single_turn`), multi-turn environments with OpenRLHF's agent API
 (:mod:`.multi_turn`), OpenAI-client agents over a local server (:mod:`.openai_server`), and the
 task/env registry (:mod:`.registry`). All produce the same :class:`~rlhforge.agents.types.Trajectory`.
+Files written for OpenRLHF load unchanged (``openrlhf.utils.agent`` is aliased while they are
+imported, :mod:`rlhforge.openrlhf_alias`; a custom OpenRLHF ``execute()`` runs over a vLLM-shaped
+engine, :mod:`.openrlhf_compat`).
 """
 
 from rlhforge.agents.episode import AgentError, AgentSettings, Episode, EpisodeExecutor

@@ -12,6 +12,11 @@
 ``registry``                   the registry executor with the built-in tasks (``math``,
                                ``math_tir``) and whatever other files registered
 =============================  ==================================================================
+
+Files written for OpenRLHF run unchanged: while the file is imported, ``openrlhf.utils.agent``
+(and ``openrlhf.utils``) resolve to rlhforge's classes unless a real ``openrlhf`` is installed
+(:mod:`rlhforge.openrlhf_alias`); an ``AgentExecutor`` with its own OpenRLHF-shaped ``execute()``
+runs through :mod:`rlhforge.agents.openrlhf_compat`.
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ def _import(path: Path):
     from rlhforge.agents import registry
 
     before = (dict(registry.TASKS), dict(registry.ENVS))
+    from rlhforge.openrlhf_alias import alias_hint, openrlhf_alias
+
     spec = importlib.util.spec_from_file_location(f"rlhforge_agent_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
+        with openrlhf_alias():
+            spec.loader.exec_module(module)
     except Exception as err:  # noqa: BLE001
-        raise ConfigError(f"--train.agent_func_path {path}: importing it failed: {type(err).__name__}: {err}") from err
+        raise ConfigError(f"--train.agent_func_path {path}: importing it failed: {type(err).__name__}: {err}"
+                          f"{alias_hint(err)}") from err
     registered = before != (registry.TASKS, registry.ENVS)
     return module, registered
 
@@ -53,16 +62,27 @@ def load_agent_executor(path: str) -> EpisodeExecutor:
         raise ConfigError(f"--train.agent_func_path {path}: file not found (or use 'registry' for the task registry)")
     module, registered = _import(file)
     cls = getattr(module, "AgentExecutor", None)
+    inst = getattr(module, "AgentInstance", None)
+    if inspect.isclass(inst) and not (issubclass(inst, AgentInstanceBase) or _from_openrlhf(inst, "AgentInstanceBase")):
+        raise ConfigError(f"{path}: AgentInstance must subclass rlhforge.agents.AgentInstanceBase "
+                          f"(or openrlhf.utils.agent.AgentInstanceBase)")
     if inspect.isclass(cls):
-        ex = cls()
-        if not isinstance(ex, EpisodeExecutor):
+        if not issubclass(cls, EpisodeExecutor):
+            if (_from_openrlhf(cls, "MultiTurnAgentExecutor") and inspect.isclass(inst)
+                    and _defining_class(cls, "execute").__module__.startswith("openrlhf")):
+                return MultiTurnAgentExecutor(inst)  # real OpenRLHF's executor, unchanged: rlhforge runs the instance
+            if any(k.__module__.startswith("openrlhf") for k in cls.__mro__):
+                raise ConfigError(
+                    f"{path}: AgentExecutor derives from the installed OpenRLHF's "
+                    f"{next(k for k in cls.__mro__[1:] if k.__module__.startswith('openrlhf')).__qualname__} "
+                    "(a real openrlhf package is importable, so rlhforge does not alias it) and overrides "
+                    "execute(); rlhforge runs executors built on its own classes: change the import to "
+                    "`from rlhforge.agents import AgentExecutorBase, MultiTurnAgentExecutor` or uninstall openrlhf")
             raise ConfigError(f"{path}: AgentExecutor must subclass rlhforge.agents.MultiTurnAgentExecutor "
                               f"(or OpenAIServerAgentExecutor / AgentExecutorBase); got {cls.__mro__[1].__name__}")
-        return ex
-    inst = getattr(module, "AgentInstance", None)
+        _check_implemented(cls, path)
+        return cls()
     if inspect.isclass(inst):
-        if not issubclass(inst, AgentInstanceBase):
-            raise ConfigError(f"{path}: AgentInstance must subclass rlhforge.agents.AgentInstanceBase")
         return MultiTurnAgentExecutor(inst)
     fn = getattr(module, "run_agent", None)
     if callable(fn):
@@ -71,6 +91,24 @@ def load_agent_executor(path: str) -> EpisodeExecutor:
         return RegistryExecutor()
     raise ConfigError(f"{path} defines none of AgentExecutor, AgentInstance, run_agent(prompt, label, client), "
                       "and registers no task or env (register_task / register_env)")
+
+
+def _from_openrlhf(cls, base_name: str) -> bool:
+    """``cls`` derives from a class ``base_name`` of a real (installed) ``openrlhf`` package."""
+    return any(k.__name__ == base_name and k.__module__.startswith("openrlhf") for k in cls.__mro__)
+
+
+def _defining_class(cls, attr: str):
+    return next((k for k in cls.__mro__ if attr in vars(k)), object)
+
+
+def _check_implemented(cls, path) -> None:
+    from rlhforge.agents.multi_turn import AgentExecutorBase
+
+    if _defining_class(cls, "run_episode") is AgentExecutorBase and _defining_class(cls, "execute") is EpisodeExecutor:
+        raise ConfigError(f"{path}: AgentExecutor({cls.__mro__[1].__name__}) implements neither OpenRLHF's "
+                          "async execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine) "
+                          "nor rlhforge's async run_episode(ep, ctx)")
 
 
 def build_executor(cfg, tokenizer, reward_source):

@@ -2,7 +2,7 @@
 
 A user file defines an environment class; one fresh instance runs each sample::
 
-    from rlhforge.agents import AgentInstanceBase, MultiTurnAgentExecutor
+    from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor   # or rlhforge.agents
 
     class AgentInstance(AgentInstanceBase):
         async def reset(self, states, **kwargs):
@@ -20,7 +20,9 @@ A user file defines an environment class; one fresh instance runs each sample::
 The loop per sample: ``reset`` -> (generate an action -> ``step`` -> append the feedback tokens
 with loss mask 0) until ``done`` or the token budget is spent (then the trajectory is
 ``truncated``). Names, arguments and the dicts passed and returned are OpenRLHF's
-(``openrlhf.utils.agent``), so an OpenRLHF agent file runs after changing its import lines.
+(``openrlhf.utils.agent``), so an OpenRLHF agent file runs unchanged (its ``openrlhf`` imports are
+aliased while it is loaded: :mod:`rlhforge.openrlhf_alias`). ``states["sampling_params"]`` has
+vLLM's field names (:class:`~rlhforge.agents.openrlhf_compat.VLLMSamplingParams`).
 
 ``step`` returns (OpenRLHF's keys; ``rewards`` may be a tensor, a number or a one-element list):
 
@@ -51,6 +53,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor
+from rlhforge.agents.single_turn import PromptRequest
 from rlhforge.agents.types import Trajectory
 from rlhforge.rollout.engine import SamplingParams
 
@@ -72,8 +75,21 @@ class AgentInstanceBase:
 
 
 class AgentExecutorBase(EpisodeExecutor):
-    """Base of every agent executor: implement ``async run_episode(ep, ctx) -> Trajectory``
-    (rlhforge's form of OpenRLHF's ``execute``; see :class:`~rlhforge.agents.episode.Episode`)."""
+    """Base of every agent executor. Implement either
+
+    - ``async run_episode(ep, ctx) -> Trajectory`` (rlhforge's form: ``ep.generate()`` /
+      ``ep.add_feedback()``, see :class:`~rlhforge.agents.episode.Episode`), or
+    - ``async execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine) -> dict``
+      (OpenRLHF's form, with a vLLM-shaped ``llm_engine``; see :mod:`rlhforge.agents.openrlhf_compat`).
+    """
+
+    async def run_episode(self, ep: Episode, ctx: EpisodeContext) -> Trajectory:
+        from rlhforge.agents.openrlhf_compat import run_openrlhf_execute, user_execute
+
+        if user_execute(self):
+            return await run_openrlhf_execute(self, ep, ctx)
+        raise NotImplementedError(f"{type(self).__name__} implements neither run_episode(ep, ctx) nor OpenRLHF's "
+                                  "execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)")
 
 
 def to_float(value: Any, what: str) -> float:
@@ -101,8 +117,9 @@ def merge_sampling(current: SamplingParams, new: Any) -> SamplingParams:
         return current
     if isinstance(new, SamplingParams):
         return replace(new, seed=current.seed)
-    if hasattr(new, "max_tokens") and not isinstance(new, dict):  # a vLLM SamplingParams
-        new = {k: getattr(new, k) for k in ("max_tokens", "temperature", "top_p", "top_k") if hasattr(new, k)}
+    if hasattr(new, "max_tokens") and not isinstance(new, dict):  # a vLLM(-shaped) SamplingParams
+        new = {k: getattr(new, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "stop_token_ids")
+               if hasattr(new, k)}
     if not isinstance(new, dict):
         raise AgentError(f"sampling_params must be a SamplingParams or a dict (got {type(new).__name__})")
     kw = dict(new)
@@ -159,10 +176,32 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
     name = "multi-turn agent"
 
     def __init__(self, agent_instance_cls):
+        if not (inspect.isclass(agent_instance_cls) and callable(getattr(agent_instance_cls, "step", None))):
+            raise TypeError(f"MultiTurnAgentExecutor needs an AgentInstanceBase subclass (got {agent_instance_cls!r})")
         self.agent_instance_cls = agent_instance_cls
         self.name = f"agent {getattr(agent_instance_cls, '__name__', agent_instance_cls)}"
 
+    async def execute(self, *args, **kwargs):
+        """rlhforge's ``execute(request, sampling, engine) -> Trajectory``, or OpenRLHF's
+        ``execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine) -> dict``
+        (for subclasses that override ``execute`` and call ``super().execute(...)``)."""
+        first = args[0] if args else kwargs.get("request", kwargs.get("prompt"))
+        if isinstance(first, PromptRequest):
+            return await super().execute(*args, **kwargs)
+        from rlhforge.agents.openrlhf_compat import multi_turn_execute
+
+        return await multi_turn_execute(self, *args, **kwargs)
+
     async def run_episode(self, ep: Episode, ctx: EpisodeContext) -> Trajectory:
+        from rlhforge.agents.openrlhf_compat import run_openrlhf_execute, user_execute
+
+        if user_execute(self):  # a subclass with its own OpenRLHF-shaped execute()
+            return await run_openrlhf_execute(self, ep, ctx)
+        return await self._run_instance_episode(ep, ctx)
+
+    async def _run_instance_episode(self, ep: Episode, ctx: EpisodeContext) -> Trajectory:
+        from rlhforge.agents.openrlhf_compat import VLLMSamplingParams
+
         req = ep.request
         inst = await ctx.call(_construct, self.agent_instance_cls, what="creating the environment")
         prompt_text = ctx.decode(req.prompt_ids)
@@ -184,7 +223,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             if action is None:
                 break
             step_states = {"observation_text": observation, "action_text": action.text, "label": req.label,
-                           "sampling_params": sampling, "finish_reason": action.finish_reason,
+                           "sampling_params": VLLMSamplingParams.from_rlhforge(sampling),
+                           "finish_reason": action.finish_reason,
                            "action_token_ids": list(action.token_ids)}
             res = await ctx.call(inst.step, step_states, what=f"step {ep.turns}", **_extra_kwargs(inst.step, ctx))
             if not isinstance(res, dict):

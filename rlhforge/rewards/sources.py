@@ -6,8 +6,11 @@ reward model. :func:`build_reward_source` picks one from ``--reward.remote_url``
 
 - ``path/to/file.py``: the file defines ``reward_func(queries, prompts, labels, **kwargs)``
   (sync or ``async``) returning ``{"rewards": [...], "scores": [...], "extra_logs": {...}}``
-  (OpenRLHF's contract). Keyword arguments it accepts among ``responses``, ``datasources``,
-  ``finish_reasons`` are passed too;
+  (OpenRLHF's contract; values may be lists or tensors, ``extra_logs`` values one number per
+  sample or one for the batch) or just the rewards (a list or a tensor). Keyword arguments it
+  accepts among ``responses``, ``datasources``, ``finish_reasons`` are passed too. An OpenRLHF
+  reward file runs unchanged: ``from openrlhf.utils import extract_boxed_answer, grade_answer``
+  resolves to rlhforge's math check while the file is imported (:mod:`rlhforge.openrlhf_alias`);
 - ``builtin:NAME`` (``builtin:arithmetic``, ``builtin:reverse``): the task's exact-answer check
   (reward = score = 1.0 for a correct answer, else 0.0); ``builtin:auto`` picks the task from each
   record's datasource;
@@ -39,12 +42,15 @@ def load_reward_func(path: str | Path) -> Callable:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--reward.remote_url {path}: file not found")
+    from rlhforge.openrlhf_alias import alias_hint, openrlhf_alias
+
     spec = importlib.util.spec_from_file_location(f"rlhforge_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
+        with openrlhf_alias():
+            spec.loader.exec_module(module)
     except Exception as err:  # noqa: BLE001
-        raise RewardError(f"importing {path} failed: {type(err).__name__}: {err}") from err
+        raise RewardError(f"importing {path} failed: {type(err).__name__}: {err}{alias_hint(err)}") from err
     fn = getattr(module, "reward_func", None)
     if not callable(fn):
         raise RewardError(f"{path} defines no function reward_func(queries, prompts, labels, **kwargs)")
@@ -69,7 +75,31 @@ class FunctionReward:
         result = self.fn(batch.queries, batch.prompts, batch.labels, **kwargs)
         if inspect.isawaitable(result):
             result = await result
+        return _plain_result(result, len(batch))
+
+
+def _plain_values(values: Any, n: int) -> Any:
+    """Tensors / arrays as lists; a single number (or 0-d tensor) for a batch of one as ``[x]``."""
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()
+    if n == 1 and isinstance(values, (int, float)) and not isinstance(values, bool):
+        values = [values]
+    return values
+
+
+def _plain_result(result: Any, n: int) -> Any:
+    """A ``reward_func`` result with tensors turned into lists (checked by ``check_reward_output``)."""
+    if isinstance(result, dict):
+        out = dict(result)
+        for key in ("rewards", "scores"):
+            if out.get(key) is not None:
+                out[key] = _plain_values(out[key], n)
+        if isinstance(out.get("extra_logs"), dict):
+            out["extra_logs"] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out["extra_logs"].items()}
+        return out
+    if result is None or isinstance(result, RewardOutput):
         return result
+    return _plain_values(result, n)
 
 
 class BuiltinReward:
