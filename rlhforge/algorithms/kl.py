@@ -7,9 +7,12 @@ With ``x = log pi(a) - log pi_ref(a)`` for a token ``a`` sampled from ``pi`` (Sc
 - ``k2``: ``x**2 / 2``               biased, low variance, >= 0;
 - ``k3``: ``exp(-x) - 1 + x``        unbiased, low variance, >= 0.
 
-The log-ratio is clamped to ``[-log_ratio_clamp, log_ratio_clamp]`` (default 20) before the
-estimator so ``k3`` cannot overflow: ``exp(20)`` is about 4.9e8, finite in fp16/bf16/fp32.
-Pass ``log_ratio_clamp=None`` to disable. Positions outside ``mask`` are 0 whatever the inputs
+The *estimate* is clamped to ``[-clamp, clamp]`` (default 10, for k1, k2 and k3 alike), as
+OpenRLHF's ``compute_approx_kl`` does. So that ``k3`` cannot overflow (``exp(-x)`` for a very
+negative ``x``) and turn a zero gradient into NaN, the log-ratio is first limited to
+``[-(clamp + 2), clamp + 2]``; every estimator is already past ``clamp`` there, so this changes
+no value (and no gradient: both are 0 beyond the clamp). The difference is computed in at least
+fp32. Pass ``clamp=None`` to disable both. Positions outside ``mask`` are 0 whatever the inputs
 hold there (inf and NaN included).
 
 How KL enters training:
@@ -42,10 +45,11 @@ __all__ = [
     "kl_loss",
     "binary_kl",
     "total_variation",
-    "DEFAULT_LOG_RATIO_CLAMP",
+    "DEFAULT_KL_CLAMP",
 ]
 
-DEFAULT_LOG_RATIO_CLAMP = 20.0
+DEFAULT_KL_CLAMP = 10.0
+"""OpenRLHF clamps every KL estimate to [-10, 10]."""
 
 
 def kl_k1(log_ratio: Tensor) -> Tensor:
@@ -76,7 +80,7 @@ def compute_kl(
     ref_log_probs: Tensor,
     mask: Tensor | None = None,
     estimator: str = "k1",
-    log_ratio_clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
+    clamp: float | None = DEFAULT_KL_CLAMP,
 ) -> Tensor:
     """Per-token KL estimate of KL(pi || pi_ref) from log-probs of the sampled tokens.
 
@@ -85,20 +89,27 @@ def compute_kl(
         ref_log_probs: [B, T] log pi_ref of the same tokens.
         mask: [B, T] action mask (float or bool) or None for all positions.
         estimator: ``k1`` | ``k2`` | ``k3``.
-        log_ratio_clamp: clamp ``x`` to ``[-c, c]`` first; None disables.
+        clamp: clamp the estimate to ``[-c, c]`` (OpenRLHF: 10); None disables.
 
     Returns:
-        [B, T], 0 at masked positions.
+        [B, T] in at least fp32, 0 at masked positions.
     """
     check_same_shape(log_probs=log_probs, ref_log_probs=ref_log_probs)
     fn = get_kl_estimator(estimator)
-    x = log_probs - ref_log_probs
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)
+    x = log_probs.to(dtype) - ref_log_probs.to(dtype)
     if mask is not None:
         check_same_shape(log_probs=log_probs, mask=mask)
         x = torch.where(as_bool(mask), x, torch.zeros_like(x))
-    if log_ratio_clamp is not None:
-        x = x.clamp(-log_ratio_clamp, log_ratio_clamp)
+    if clamp is not None:
+        if not clamp >= 0:
+            raise ValueError(f"the KL clamp must be >= 0 or None (got {clamp})")
+        # every estimator is beyond `clamp` once |x| > clamp + 2 (k3(-(c+2)) = e^(c+2) - c - 3 > c):
+        # limiting x there changes no value, and keeps exp(-x) finite for the backward pass
+        x = x.clamp(-(clamp + 2.0), clamp + 2.0)
     kl = fn(x)
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
     if mask is not None:
         kl = torch.where(as_bool(mask), kl, torch.zeros_like(kl))
     return kl
@@ -109,14 +120,14 @@ def kl_loss(
     ref_log_probs: Tensor,
     mask: Tensor,
     estimator: str = "k3",
-    log_ratio_clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
+    clamp: float | None = DEFAULT_KL_CLAMP,
 ) -> Tensor:
     """Per-token KL penalty for the loss (before aggregation), differentiable w.r.t. ``log_probs``.
 
     Shapes: [B, T] inputs and mask -> [B, T], 0 at masked positions. Aggregate with
     ``aggregation.aggregate_loss`` and scale by the KL coefficient (beta) in the trainer.
     """
-    return compute_kl(log_probs, ref_log_probs.detach(), mask, estimator, log_ratio_clamp)
+    return compute_kl(log_probs, ref_log_probs.detach(), mask, estimator, clamp)
 
 
 def _log1mexp(x: Tensor) -> Tensor:

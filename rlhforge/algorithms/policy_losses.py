@@ -180,8 +180,10 @@ def flash_reinforce_loss(
         l_t = -A * sg(w_t) * exp(logp_t - sg(logp_t))     (value -A w_t, gradient -A w_t grad logp_t)
 
     A sequence is dropped (all its ``l_t = 0``) when the mean over its action tokens of the
-    binary KL ``KL_bin(p_t || q_t)``, ``p_t = exp(logp_t)``, ``q_t = mu_t`` (probabilities clamped
-    to [1e-6, 1 - 1e-6]), exceeds ``delta`` (default 3e-3, the paper's Qwen2.5-Math setting;
+    binary KL ``KL_bin(p_t || q_t)`` with ``p_t = mu_t`` (the rollout probability of the sampled
+    token) and ``q_t = exp(logp_t)`` (probabilities clamped to [1e-6, 1 - 1e-6]) exceeds
+    ``delta``: the same direction as OpenRLHF's ``binary_kl`` gating
+    (``corrections.is_correction``: p = pi_roll, q = pi_train) (default 3e-3, the paper's Qwen2.5-Math setting;
     ``float('inf')`` disables the gate). Advantages are the scalar reward minus the batch mean
     (``advantages.batch_mean_baseline`` / estimator ``flash_reinforce``).
 
@@ -197,7 +199,7 @@ def flash_reinforce_loss(
     w = log_ratio.detach().exp()
     safe_lp = torch.where(m, log_probs, zero)  # inf/NaN at masked positions never reach exp
     safe_mu = torch.where(m, old_log_probs.detach().to(log_probs.dtype), zero)
-    seq_kl = masked_mean(binary_kl(safe_lp, safe_mu), m, dim=1)  # [B]
+    seq_kl = masked_mean(binary_kl(safe_mu, safe_lp), m, dim=1)  # [B]: KL_bin(mu || pi_theta)
     keep_seq = seq_kl <= delta
     has_tokens = m.any(dim=1)
     unit = torch.exp(safe_lp - safe_lp.detach())

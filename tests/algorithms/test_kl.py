@@ -40,15 +40,40 @@ def test_mask_hides_inf_and_nan_and_grads_stay_finite():
         lp.grad = None
 
 
-def test_extreme_log_ratios_are_clamped():
-    lp = torch.tensor([[-100.0, 100.0]])
-    ref = torch.zeros(1, 2)
-    k3 = compute_kl(lp, ref, estimator="k3")  # x clamped to -20 / +20
-    # x = -20: e^20 - 1 - 20 = 485165195.41 - 21 = 485165174.41 ; x = 20: e^-20 - 1 + 20 = 19.0
-    torch.testing.assert_close(k3, torch.tensor([[485165174.41, 19.0]]), rtol=1e-6, atol=0)
-    torch.testing.assert_close(compute_kl(lp, ref, estimator="k1", log_ratio_clamp=5.0), torch.tensor([[-5.0, 5.0]]))
-    # without a clamp, k3 overflows fp32 (e^100 > 3.4e38): the clamp is what keeps it finite
-    assert torch.isinf(compute_kl(lp, ref, estimator="k3", log_ratio_clamp=None)[0, 0])
+def test_estimates_are_clamped_at_10_like_openrlhf():
+    # x = log pi - log pi_ref; OpenRLHF's compute_approx_kl clamps the *estimate* to [-10, 10]
+    x = torch.tensor([[-100.0, -3.0, -2.0, 4.0, 5.0, 11.0, 100.0]])
+    ref = torch.zeros_like(x)
+    # k1 = x -> clamped
+    torch.testing.assert_close(compute_kl(x, ref, estimator="k1"), torch.tensor([[-10.0, -3.0, -2.0, 4.0, 5.0, 10.0, 10.0]]))
+    # k2 = x^2 / 2: 5000, 4.5, 2, 8, 12.5, 60.5, 5000 -> 10, 4.5, 2, 8, 10, 10, 10
+    torch.testing.assert_close(compute_kl(x, ref, estimator="k2"), torch.tensor([[10.0, 4.5, 2.0, 8.0, 10.0, 10.0, 10.0]]))
+    # k3 = e^-x - 1 + x: x=-3: e^3 - 4 = 16.085537 -> 10 (a log-ratio clamp at 20 would keep 16.09);
+    # x=-2: e^2 - 3 = 4.389056 ; x=4: e^-4 + 3 = 3.018316 ; x=5: e^-5 + 4 = 4.006738 ; x=11: 10.0000167 -> 10
+    torch.testing.assert_close(
+        compute_kl(x, ref, estimator="k3"),
+        torch.tensor([[10.0, 10.0, 4.389056, 3.018316, 4.006738, 10.0, 10.0]]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(compute_kl(x, ref, estimator="k1", clamp=5.0),
+                               torch.tensor([[-5.0, -3.0, -2.0, 4.0, 5.0, 5.0, 5.0]]))
+    # without a clamp, k3 overflows fp32 (e^100 > 3.4e38)
+    assert torch.isinf(compute_kl(x, ref, estimator="k3", clamp=None)[0, 0])
+
+
+def test_clamped_estimates_have_zero_finite_gradients():
+    lp = torch.tensor([[-100.0, -2.0, 100.0]], requires_grad=True)
+    for est in ("k1", "k2", "k3"):
+        kl_loss(lp, torch.zeros(1, 3), torch.ones(1, 3), estimator=est).sum().backward()
+        assert torch.isfinite(lp.grad).all(), est
+        assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 2].item() == 0.0, est
+        lp.grad = None
+    # inside the clamp: d k3 / d x = 1 - e^-x = 1 - e^2 = -6.389056 at x = -2
+    kl_loss(lp, torch.zeros(1, 3), torch.ones(1, 3), estimator="k3").sum().backward()
+    assert lp.grad[0, 1].item() == pytest.approx(1 - math.exp(2.0), rel=1e-6)
+
+
+def test_half_precision_inputs_give_fp32_estimates():
+    kl = compute_kl(torch.tensor([[LN2]], dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16), estimator="k1")
+    assert kl.dtype == torch.float32
 
 
 def test_kl_loss_gradient_and_reference_detached():

@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
+from rlhforge.algorithms._utils import masked_mean
 from rlhforge.algorithms.aggregation import aggregate_seq_mean_token_mean
+from rlhforge.algorithms.corrections import is_correction
+from rlhforge.algorithms.kl import binary_kl
 from rlhforge.algorithms.policy_losses import (
     POLICY_LOSSES,
     entropy_bonus,
@@ -123,22 +126,45 @@ def test_flash_reinforce_by_hand():
     mu = t([[LN(0.5), LN(0.25)], [LN(0.2), LN(0.9)]])
     adv = t([1.0, -0.5])
     mask = torch.ones(2, 2)
-    # row 0: binary KL per token [0, 0.143841] (p = 0.5 vs q = 0.25) -> mean 0.071921 ; row 1: 0
-    loss, m = flash_reinforce_loss(lp, mu, adv, mask, delta=0.1)
+    # gate on KL_bin(p || q) with p = mu (rollout), q = pi_theta, as OpenRLHF's binary_kl gating:
+    # row 0, token 1: 0.25 ln(0.25/0.5) + 0.75 ln(0.75/0.5) = -0.173287 + 0.304099 = 0.130812
+    # -> row mean 0.065406 ; row 1: p == q -> 0. (The other direction, KL_bin(0.5 || 0.25) = 0.143841,
+    # has row mean 0.071921.)
+    loss, m = flash_reinforce_loss(lp, mu, adv, mask, delta=0.07)  # 0.065406 <= 0.07 < 0.071921: kept
     # kept: l = -A w with w = [1, 2] and [1, 1]
     torch.testing.assert_close(loss.detach(), t([[-1.0, -2.0], [0.5, 0.5]]))
     assert m["trust_region_drop_frac"].item() == 0.0
-    assert m["seq_binary_kl_mean"].item() == pytest.approx(0.143841 / 4, abs=1e-6)
+    assert m["seq_binary_kl_mean"].item() == pytest.approx(0.130812 / 4, abs=1e-6)
     loss.sum().backward()
     # gradient = -sg(w) A grad logp
     torch.testing.assert_close(lp.grad, t([[-1.0, -2.0], [0.5, 0.5]]))
 
     lp.grad = None
-    loss, m = flash_reinforce_loss(lp, mu, adv, mask)  # default delta 3e-3 < 0.071921: row 0 dropped
+    loss, m = flash_reinforce_loss(lp, mu, adv, mask, delta=0.065)  # 0.065 < 0.065406: row 0 dropped
     torch.testing.assert_close(loss.detach(), t([[0.0, 0.0], [0.5, 0.5]]))
     assert m["trust_region_drop_frac"].item() == pytest.approx(0.5)
     loss.sum().backward()
     torch.testing.assert_close(lp.grad, t([[0.0, 0.0], [0.5, 0.5]]))
+    loss, m = flash_reinforce_loss(lp, mu, adv, mask)  # default delta 3e-3: dropped too
+    assert m["trust_region_drop_frac"].item() == pytest.approx(0.5)
+
+
+def test_flash_reinforce_gate_matches_the_binary_kl_is_correction():
+    g = torch.Generator().manual_seed(0)
+    lp = torch.log(torch.rand(3, 5, generator=g, dtype=D) * 0.9 + 0.05)
+    mu = torch.log(torch.rand(3, 5, generator=g, dtype=D) * 0.9 + 0.05)
+    mask = torch.ones(3, 5)
+    mask[2, 3:] = 0
+    _, m = flash_reinforce_loss(lp, mu, t([1.0, 1.0, 1.0]), mask, delta=float("inf"))
+    # the loss's gate statistic is KL_bin(mu || pi_theta) per sequence, the one is_correction's seq-level
+    # binary_kl gating computes (p = pi_roll); with a band [0, delta] both drop the same sequences
+    seq = masked_mean(binary_kl(mu, lp), mask.bool(), dim=1)
+    assert m["seq_binary_kl_mean"].item() == pytest.approx(seq.mean().item(), rel=1e-9)
+    delta = float(seq.sort().values[1])  # keeps the two smallest
+    _, loss_m = flash_reinforce_loss(lp, mu, t([1.0, 1.0, 1.0]), mask, delta=delta)
+    _, _, is_m = is_correction(lp, mu, mask, level="seq", mode="mask", gating="binary_kl", low=0.0, high=delta)
+    assert loss_m["trust_region_drop_frac"].item() == pytest.approx(1 / 3)
+    assert is_m["filtered_frac"].item() == pytest.approx(loss_m["trust_region_drop_frac"].item())
 
 
 def test_flash_reinforce_masked_and_empty_rows_are_safe():
