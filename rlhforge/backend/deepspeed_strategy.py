@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from rlhforge.backend.device import dist_info, resolve_device, resolve_dtype, single_process_env
-from rlhforge.backend.optim import build_optimizer, build_scheduler
+from rlhforge.backend.optim import build_optimizer, build_scheduler, optimizer_param_groups
 from rlhforge.backend.strategy import all_reduce_tensor
 
 
@@ -67,11 +67,10 @@ class DeepSpeedStrategy:
 
             a = self.optim_cfg.adam
             optimizer = DeepSpeedCPUAdam(
-                [p for p in model.parameters() if p.requires_grad],
-                lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay, adamw_mode=True,
+                optimizer_param_groups(model, a.weight_decay), lr=a.lr, betas=tuple(a.betas), eps=a.eps, adamw_mode=True,
             )
         else:
-            optimizer = build_optimizer(model.parameters(), self.optim_cfg)
+            optimizer = build_optimizer(model, self.optim_cfg)
         scheduler = build_scheduler(optimizer, self.optim_cfg, total_steps)
         config = deepspeed_config(
             self.ds_cfg, self.optim_cfg, self.dtype, self.batch_plan.micro_batch_size, self.batch_plan.grad_accum_steps

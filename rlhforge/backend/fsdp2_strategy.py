@@ -64,7 +64,7 @@ class FSDP2Strategy:
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
         self.model = model
-        self.optimizer = build_optimizer(model.parameters(), self.optim_cfg)
+        self.optimizer = build_optimizer(model, self.optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, self.optim_cfg, total_steps)
         return model
 

@@ -38,7 +38,7 @@ class TorchStrategy:
 
             model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.model = model
-        self.optimizer = build_optimizer(self._module.parameters(), self.optim_cfg)
+        self.optimizer = build_optimizer(self._module, self.optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, self.optim_cfg, total_steps)
         return model
 
