@@ -29,6 +29,7 @@ from torch import Tensor
 
 __all__ = [
     "load_reward_model",
+    "init_value_head",
     "value_head",
     "sequence_rewards",
     "last_token_index",
@@ -40,8 +41,8 @@ __all__ = [
 
 def load_reward_model(path: str, model_cfg, ds_cfg, device: torch.device, *, pad_token_id: int | None = None,
                       value_head_prefix: str = "score"):
-    """Load ``path`` as a one-label sequence classifier (a new head if ``path`` is a causal LM),
-    with LoRA when ``ds_cfg.lora.rank > 0`` (the head is then trained in full, as peft's
+    """Load ``path`` as a one-label sequence classifier (a new head, initialised as OpenRLHF does by
+    :func:`init_value_head`, if ``path`` is a causal LM without one), with LoRA when ``ds_cfg.lora.rank > 0`` (the head is then trained in full, as peft's
     ``modules_to_save``). ``pad_token_id`` is written into the config when it has none (HF's
     pooling needs it for batches)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -64,8 +65,74 @@ def load_reward_model(path: str, model_cfg, ds_cfg, device: torch.device, *, pad
                 f"{getattr(config, 'model_type', '?')!r}, so it cannot become a reward model here"
             ) from err
         raise
-    value_head(model, value_head_prefix)  # fail early with the available names
+    head = value_head(model, value_head_prefix)  # fail early with the available names
+    if not _checkpoint_has_head(path, value_head_prefix):
+        init_value_head(head, getattr(config, "hidden_size", None))
     return model
+
+
+def init_value_head(head: torch.nn.Module, hidden_size: int | None = None) -> None:
+    """A *new* value head, as OpenRLHF's ``init_value_head``: weight ~ N(0, std = 1 / (d + 1)) with
+    d the hidden size (OpenRLHF's convention: the standard deviation, not the variance, is 1/(d+1));
+    a bias, if any, 0. Under LoRA the head is peft's ``ModulesToSaveWrapper``: the original and the
+    trained copy get the same values. Draws from torch's global RNG (seed first)."""
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    if not linears:
+        raise ValueError(f"value head {type(head).__name__} has no linear layer to initialise")
+    d = hidden_size or linears[0].in_features
+    with torch.no_grad():
+        weight = torch.empty(linears[0].weight.shape, dtype=torch.float32).normal_(mean=0.0, std=1.0 / (d + 1))
+        for m in linears:
+            m.weight.copy_(weight.to(m.weight.device, m.weight.dtype))
+            if m.bias is not None:
+                m.bias.zero_()
+
+
+def _checkpoint_tensor_names(path: str) -> set[str] | None:
+    """Tensor names stored in the checkpoint at ``path`` (a local folder or a cached hub id), read
+    from the safetensors headers / index files only; None when they cannot be read."""
+    def locate(name: str) -> Path | None:
+        local = Path(path) / name
+        if local.is_file():
+            return local
+        if Path(path).is_dir():
+            return None
+        try:
+            from transformers.utils import cached_file
+
+            found = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
+                                _raise_exceptions_for_connection_errors=False)
+        except Exception:  # noqa: BLE001 - any failure: cannot tell
+            return None
+        return Path(found) if found else None
+
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        found = locate(index)
+        if found is not None:
+            return set(json.loads(found.read_text()).get("weight_map", {}))
+    found = locate("model.safetensors")
+    if found is not None:
+        from safetensors import safe_open
+
+        with safe_open(str(found), framework="pt") as f:
+            return set(f.keys())
+    found = locate("pytorch_model.bin")
+    if found is not None:
+        try:
+            return set(torch.load(found, map_location="cpu", weights_only=True, mmap=True))
+        except Exception:  # noqa: BLE001 - an old or unreadable format: cannot tell
+            return None
+    return None
+
+
+def _checkpoint_has_head(path: str, prefix: str) -> bool:
+    """Whether ``path`` stores the value head ``prefix`` (a trained reward model / critic) rather
+    than being a causal LM whose head transformers has just created. Unknown: assume stored (never
+    overwrite weights that may be trained)."""
+    names = _checkpoint_tensor_names(path)
+    if names is None:
+        return True
+    return any(n == f"{prefix}.weight" or n.endswith(f".{prefix}.weight") for n in names)
 
 
 def _unwrap(model):
