@@ -39,7 +39,8 @@ from rlhforge.backend.device import seed_everything
 from rlhforge.models.forward import is_packed, token_logprobs
 from rlhforge.distributed.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
 
-__all__ = ["InProcessGroup", "ActorWorker", "RefWorker", "CriticWorker", "token_values", "PolicyLossSpec"]
+__all__ = ["InProcessGroup", "ActorWorker", "RefWorker", "CriticWorker", "token_values", "PolicyLossSpec",
+           "reduce_step_metrics"]
 
 
 class _TrainableWorker:
@@ -108,6 +109,39 @@ def _plan(micro_batch_size: int, grad_accum: int, total: int) -> BatchPlan:
                      total_steps=total)
 
 
+def reduce_step_metrics(dp_scaled: dict[str, float], token_weighted: dict[str, float], all_reduce,
+                        world_size: int) -> dict[str, float]:
+    """Per-rank metrics of one optimizer step -> the step's global values, in one all-reduce (sum).
+
+    The two kinds need different reductions:
+
+    - ``dp_scaled``: losses built by ``aggregate_loss`` (``policy_loss``, ``kl_loss``,
+      ``value_loss``). Each rank's value is ``sum over its tokens * dp / N_global`` (the
+      ``dp_size`` scaling that makes averaged gradients exact), so the global value is the
+      **mean** over ranks: ``sum / dp``.
+    - ``token_weighted``: everything else (``entropy``, and whatever the policy / value loss
+      returns: ``clip_frac``, ``approx_kl``, ``ratio_mean``, ``dual_clip_frac``, ``values_mean``
+      ...). Each rank's value is ``sum over its micro-batches of (micro-batch mean x micro-batch
+      tokens / N_global)``: a partial sum of the global token mean, so the global value is the
+      **sum** over ranks.
+
+    ``all_reduce(tensor, op="sum")`` is the strategy's (identity with one rank). Pure arithmetic
+    otherwise; ``tests/distributed/test_metric_reduction.py`` checks it on 1 vs 2 ranks.
+    """
+    both = set(dp_scaled) & set(token_weighted)
+    if both:
+        raise ValueError(f"metrics {sorted(both)} are listed as both dp-scaled and token-weighted")
+    keys = sorted(dp_scaled) + sorted(token_weighted)
+    values = {**dp_scaled, **token_weighted}
+    if not keys:
+        return {}
+    summed = all_reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64), op="sum").tolist()
+    out = {k: float(v) for k, v in zip(keys, summed)}
+    for k in dp_scaled:
+        out[k] /= world_size
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLossSpec:
     """Everything the actor update needs besides the data."""
@@ -120,6 +154,8 @@ class PolicyLossSpec:
     temperature: float = 1.0
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
+    """beta of the KL loss term: the KL controller's value for this step (the trainer replaces the
+    spec every step; 0 disables the term)."""
     kl_estimator: str = "k3"
     use_rollout_logprobs_as_old: bool = False
 
@@ -162,7 +198,10 @@ class ActorWorker(_TrainableWorker):
         global_tokens, global_seqs = float(counts[0]), float(counts[1])
         dp = strategy.world_size
         agg = dict(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp, norm_constant=spec.norm_constant)
-        sums: dict[str, float] = {}
+        losses: dict[str, float] = {"policy_loss": 0.0}  # dp-scaled (aggregate_loss): mean over ranks
+        weighted: dict[str, float] = {"entropy": 0.0}  # token-share weighted: sum over ranks
+        if spec.kl_loss_coef > 0:
+            losses["kl_loss"] = 0.0
         groups = _chunks(samples, self.cfg.train.micro_batch_size)
         for k, chunk in enumerate(groups):
             batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed), self.device)
@@ -184,18 +223,16 @@ class ActorWorker(_TrainableWorker):
                 kl_tok = kl_loss(logp, batch["ref_logprobs"], mask, spec.kl_estimator)
                 kl_term = aggregate_loss(kl_tok, mask, spec.agg_mode, **agg)
                 loss = loss + spec.kl_loss_coef * kl_term
-                sums["kl_loss"] = sums.get("kl_loss", 0.0) + float(kl_term.detach())
+                losses["kl_loss"] += float(kl_term.detach())
             strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
             weight = float(mask.sum()) / max(global_tokens, 1.0)  # token share of this micro-batch
-            sums["policy_loss"] = sums.get("policy_loss", 0.0) + float(policy_loss.detach())
+            losses["policy_loss"] += float(policy_loss.detach())
             ent_mean = float((entropy.detach() * mask).sum() / mask.sum().clamp_min(1))
-            sums["entropy"] = sums.get("entropy", 0.0) + ent_mean * weight
+            weighted["entropy"] += ent_mean * weight
             for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(value) * weight
+                weighted[name] = weighted.get(name, 0.0) + float(value) * weight
         stats = strategy.step()
-        keys = sorted(sums)
-        reduced = strategy.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64), op="mean")
-        out = {k: float(v) for k, v in zip(keys, reduced.tolist())}
+        out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
         out.update(grad_norm=stats["grad_norm"], lr=stats["lr"])
         return out
 
@@ -307,7 +344,8 @@ class CriticWorker(_TrainableWorker):
         strategy = self.strategy
         local_tokens = sum(sum(s.loss_mask) for s in samples)
         global_tokens = float(strategy.all_reduce(torch.tensor(float(local_tokens)), op="sum"))
-        sums = {"value_loss": 0.0, "clip_frac": 0.0, "values_mean": 0.0}
+        losses = {"value_loss": 0.0}  # dp-scaled (aggregate_loss): mean over ranks
+        weighted = {"clip_frac": 0.0, "values_mean": 0.0}  # token-share weighted: sum over ranks
         groups = _chunks(samples, self.cfg.train.micro_batch_size)
         for k, chunk in enumerate(groups):
             batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed), self.device)
@@ -318,12 +356,10 @@ class CriticWorker(_TrainableWorker):
             loss = aggregate_loss(tok_loss, mask, "token_mean", global_tokens=global_tokens, dp_size=strategy.world_size)
             strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
             weight = float(mask.sum()) / max(global_tokens, 1.0)
-            sums["value_loss"] += float(loss.detach())
-            sums["clip_frac"] += float(metrics["clip_frac"]) * weight
-            sums["values_mean"] += float(metrics["values_mean"]) * weight
+            losses["value_loss"] += float(loss.detach())
+            weighted["clip_frac"] += float(metrics["clip_frac"]) * weight
+            weighted["values_mean"] += float(metrics["values_mean"]) * weight
         stats = strategy.step()
-        keys = sorted(sums)
-        reduced = strategy.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64), op="mean")
-        out = {k: float(v) for k, v in zip(keys, reduced.tolist())}
+        out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
         out.update(grad_norm=stats["grad_norm"], lr=stats["lr"])
         return out
