@@ -36,6 +36,38 @@ def parse_rl_args(argv: list[str] | None = None, *, prog: str | None = None, val
     return cfg
 
 
+def check_reward_servers(cfg: RLConfig, log=lambda msg: print(msg, flush=True)) -> None:
+    """Set the reward servers' API key for this run and probe each HTTP reward server (before any model
+    is loaded). A server that does not answer within ``--reward.wait_for_server_s`` seconds, refuses
+    the key or has no such path is a :class:`ConfigError` naming the URL."""
+    from rlhforge.rewards.client import API_KEY_ENV, RewardServerError, default_api_key, set_api_key
+    from rlhforge.rewards.client import wait_for_reward_servers
+
+    set_api_key(cfg.reward.api_key)
+    url = cfg.reward.remote_url or ""
+    if url.startswith(("http://", "https://")):
+        urls, require = [u.strip() for u in url.split(",") if u.strip()], "all"
+    elif url.startswith("endpoints:"):
+        from rlhforge.rewards.endpoints import EndpointsFile, EndpointsFileError
+
+        try:
+            urls, require = EndpointsFile(url.split(":", 1)[1]).current(), "any"
+        except EndpointsFileError as err:
+            raise ConfigError(f"--reward.remote_url {url}: {err}") from None
+    else:
+        return
+    try:
+        wait_for_reward_servers(urls, wait_s=cfg.reward.wait_for_server_s, require=require, log=log)
+    except RewardServerError as err:
+        hint = ""
+        if "HTTP 401" in str(err) or "HTTP 403" in str(err):
+            hint = (f"; pass the server's key with --reward.api_key or ${API_KEY_ENV}" if default_api_key() is None
+                    else "; check --reward.api_key / $" + API_KEY_ENV)
+        elif "does not answer" in str(err) and cfg.reward.wait_for_server_s == 0:
+            hint = "; start it first, or wait for it with --reward.wait_for_server_s SECONDS"
+        raise ConfigError(f"--reward.remote_url: {err}{hint}") from None
+
+
 def build_trainer(cfg: RLConfig):
     """All components of a run, wired; returns the :class:`~rlhforge.trainers.rl.RLTrainer`."""
     from rlhforge.config.batching import plan_rl_batches
@@ -54,6 +86,7 @@ def build_trainer(cfg: RLConfig):
         raise ConfigError("rlhforge rl is a single controller: launch one process (not torchrun/deepspeed); "
                           "for several ranks per model use Ray workers (--actor.num_gpus_per_node N, "
                           "docs/distributed.md)")
+    check_reward_servers(cfg)
     ray_mode = uses_ray(cfg)
     world = cfg.actor.num_nodes * cfg.actor.num_gpus_per_node if ray_mode else 1
     seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
@@ -93,7 +126,8 @@ def build_trainer(cfg: RLConfig):
         from rlhforge.rollout.vllm_engine import build_vllm_engines
 
         engine = build_vllm_engines(cfg, tokenizer, max_model_len=_vllm_max_model_len(cfg, prompts, eval_prompts))
-    elif (ray_mode or cfg.ds.zero_stage == 3 or cfg.ds.strategy == "fsdp2"
+    elif (ray_mode or cfg.ds.strategy == "fsdp2"
+          or (cfg.ds.zero_stage == 3 and type(actor_w.strategy).__name__ == "DeepSpeedStrategy")
           or (cfg.ds.lora.rank > 0 and not cfg.ds.load_in_4bit)):
         # the driver's own copy of the base policy, synced from the actor after each step: a ZeRO-3 / FSDP2
         # module holds only a shard of each weight, and LoRA adapters arrive merged into the base weights
@@ -133,10 +167,17 @@ def run(cfg: RLConfig) -> Path:
     """Train and export; returns the output folder."""
     from rlhforge.distributed.groups import InProcessGroup
 
-    trainer = build_trainer(cfg)
+    from rlhforge.rewards.client import set_api_key
+
+    try:
+        trainer = build_trainer(cfg)
+    except BaseException:
+        set_api_key(None)
+        raise
     try:
         trainer.fit()
     finally:
+        set_api_key(None)  # the key belongs to this run only
         trainer.logger.close()
         getattr(trainer.executor, "close", lambda: None)()
         getattr(trainer.engine, "close", lambda: None)()  # vLLM engines: stop their engine cores

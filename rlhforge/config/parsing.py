@@ -181,32 +181,109 @@ def _nest_dotted(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:
-    """Build dataclass ``cls`` from a (possibly dotted) mapping; unknown keys are errors."""
+def _choices(values) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
+    """``value`` (from YAML) as the field type ``tp``: Literal choices, tuple lengths, int / float /
+    bool / str, Optional. Anything else is a :class:`ConfigError` naming the file and the dotted key."""
+
+    def fail(problem: str):
+        raise ConfigError(f"{where}: {key}: {problem}")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(inner[0], value, where, key)
+        return value  # pragma: no cover - no such field today
+    if value is None:
+        fail(f"null is not allowed here (expected {_type_name(tp)})")
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if isinstance(value, bool) or value not in choices:
+            hint = " (YAML reads on/off/yes/no unquoted as true/false: quote the value)" if isinstance(value, bool) else ""
+            fail(f"{value!r} is not a valid choice; valid: {_choices(choices)}{hint}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        variable = len(args) == 2 and args[1] is Ellipsis
+        if variable:
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            if not items:
+                fail(f"expected one or more {_type_name(args[0])} values, got an empty list")
+            return tuple(_coerce(args[0], v, where, f"{key}[{i}]") for i, v in enumerate(items))
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            fail(f"expected a list of {len(args)} values ({', '.join(_type_name(a) for a in args)}), got {value!r}")
+        return tuple(_coerce(a, v, where, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            fail(f"expected true or false, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            fail(f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        fail(f"expected a number, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            fail(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                fail(f"expected an integer, got {value!r}")
+        if isinstance(number, float) and number.is_integer():
+            return int(number)
+        fail(f"expected an integer, got {value!r}")
+    if tp is str:
+        if not isinstance(value, str):
+            fail(f"expected a string, got {value!r} (quote it in the YAML file)")
+        return value
+    return value  # pragma: no cover - no other field type today
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + _choices(typing.get_args(tp))
+    return {bool: "true/false", float: "a number", int: "an integer", str: "a string"}.get(tp, str(tp))
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "config", prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a (possibly dotted) mapping. Unknown keys and values that do not
+    fit the field's type (a Literal's choices, a tuple's length, int/float/bool/str, null only where
+    Optional) are ConfigErrors naming ``where`` (the file) and the dotted key."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'the top level'}: expected a mapping, "
+                          f"got {type(data).__name__}")
     data = _nest_dotted(data)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
+            section = prefix.rstrip(".") or "the top level"
             raise ConfigError(
-                f"{where}: unknown key {key!r} in section {cls.__name__}; valid keys: {', '.join(sorted(fields))}"
+                f"{where}: unknown key {key!r} in {section} ({cls.__name__}); valid keys: {', '.join(sorted(fields))}"
             )
         tp = _unwrap_optional(hints[key])
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = from_dict(tp, value or {}, f"{where}.{key}")
-        elif value is None:
-            kwargs[key] = None
-        elif typing.get_origin(tp) is tuple:
-            kwargs[key] = tuple(value if isinstance(value, (list, tuple)) else [value])
-        elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            kwargs[key] = float(value)
-        elif tp in (int, str, bool) and not isinstance(value, tp):
-            raise ConfigError(f"{where}.{key}: expected {tp.__name__}, got {value!r}")
+            kwargs[key] = from_dict(tp, value or {}, where, f"{prefix}{key}.")
         else:
-            kwargs[key] = value
+            kwargs[key] = _coerce(hints[key], value, where, f"{prefix}{key}")
     return cls(**kwargs)
 
 
@@ -221,19 +298,37 @@ def load_yaml(cls: type[T], path: str | Path) -> T:
     return from_dict(cls, data, where=str(path))
 
 
+def secret(default: Any = None, redacted: Any = None) -> Any:
+    """A dataclass field holding a secret (an API key): hidden from ``repr`` and written by
+    :func:`to_dict` / :func:`save_yaml` as ``redacted`` (default null), so it never reaches the
+    run directory's config.yaml, metrics or experiment trackers."""
+    return dataclasses.field(default=default, repr=False, metadata={"secret": True, "redacted": redacted})
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain (YAML-ready) dict of a config; secret fields (:func:`secret`) are redacted."""
+
     def plain(value: Any) -> Any:
-        if isinstance(value, tuple):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out = {}
+            for f in dataclasses.fields(value):
+                v = getattr(value, f.name)
+                if f.metadata.get("secret") and v is not None:
+                    v = f.metadata.get("redacted")
+                out[f.name] = plain(v)
+            return out
+        if isinstance(value, (tuple, list)):
             return [plain(v) for v in value]
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
         return value
 
-    return plain(dataclasses.asdict(cfg))
+    return plain(cfg)
 
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
-    """Write the resolved config (atomically) so the run can be reproduced with ``--config``."""
+    """Write the resolved config (atomically) so the run can be reproduced with ``--config``.
+    Secrets (API keys) are not written: pass them again by flag or environment variable."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

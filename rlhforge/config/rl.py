@@ -24,6 +24,7 @@ from rlhforge.config.components import (
     LoggerConfig,
     OptimConfig,
 )
+from rlhforge.config.parsing import secret
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -127,7 +128,15 @@ class RewardConfig:
     remote_url: str | None = None
     """Reward source: a ``.py`` file defining ``reward_func(queries, prompts, labels, **kw)``, an HTTP
     reward server URL (comma-separated list allowed), or a built-in verifier ``builtin:NAME``
-    (``builtin:arithmetic``, ``builtin:reverse``; ``builtin:auto`` routes by the record's datasource)."""
+    (``builtin:arithmetic``, ``builtin:reverse``; ``builtin:auto`` routes by the record's datasource).
+    HTTP servers are probed at start-up, before any model is loaded (see ``wait_for_server_s``)."""
+    api_key: str | None = secret()
+    """API key of the HTTP reward servers (``rlhforge serve-rm --api_key``), sent as ``Authorization:
+    Bearer KEY``. Unset: the ``RLHFORGE_REWARD_API_KEY`` environment variable, if set (prefer it: a
+    flag shows in ``ps``). Never printed, logged or written to config.yaml. rlhforge-specific."""
+    wait_for_server_s: float = 0.0
+    """Seconds to wait at start-up for the HTTP reward servers to answer (retrying, with a progress
+    line); 0 fails at once when one does not answer. rlhforge-specific."""
     normalize_enable: bool = False
     """Reward model only: normalise scores with the mean/std stored in the reward model's config."""
     clip_range: tuple[float, float] | None = None
@@ -155,9 +164,9 @@ class VllmConfig:
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism per engine (GPU; 1 on CPU)."""
     sync_backend: str = "nccl"
-    """Weight-sync backend. With Ray workers rlhforge syncs actor rank 0 -> the driver's engines over a
-    dedicated gloo group (host memory) whatever this says; NCCL / CUDA IPC straight into GPU engines
-    is not built yet (docs/distributed.md)."""
+    """No effect here (a non-default value prints a notice): weights reach the engines in-process, or
+    from Ray actor rank 0 over a dedicated gloo group (host memory); NCCL / CUDA-IPC sync into GPU
+    engines is not built yet (docs/distributed.md)."""
     sync_with_ray: bool = False
     """Ray workers: send the weights through Ray's object store instead of the dedicated group."""
     sync_bucket_mb: int = 128
@@ -195,7 +204,7 @@ class RolloutConfig:
     vllm_generate_batch_size: int | None = None
     """vLLM only (not built yet)."""
     max_tokens_per_gpu: int | None = None
-    """Token budget of the log-prob passes (not supported yet)."""
+    """Token budget of the log-prob passes (not supported yet: refused unless None)."""
 
 
 # --------------------------------------------------------------------------------------------- loop
@@ -229,7 +238,8 @@ class RLTrainConfig:
     colocate_actor_ref: bool = False
     """Ray: actor and reference share one placement group (equal sizes)."""
     colocate_critic_reward: bool = False
-    """Ray: critic and reward model share devices (the reward model runs in the driver: accepted)."""
+    """No effect here (prints a notice): the reward model runs in the driver process, so there is no
+    reward worker group for the critic to share devices with."""
     colocate_all: bool = False
     """Ray: actor, ref and critic share one placement group (the hybrid engine); needed on a CPU
     cluster smaller than the sum of the groups."""
@@ -261,11 +271,11 @@ class RLTrainConfig:
     dynamic_batch_enable: bool = False
     """Token-budget micro-batches (not supported in RL yet)."""
     max_tokens_per_gpu: int = 16192
-    """Token budget for dynamic batching (not supported in RL yet)."""
+    """Token budget for dynamic batching (not supported in RL yet: refused unless 16192)."""
     enable_ema: bool = False
-    """EMA of the actor weights (not built yet)."""
+    """EMA of the actor weights (not built yet: refused)."""
     ema_beta: float = 0.992
-    """EMA decay (not built yet)."""
+    """EMA decay (no effect, prints a notice: the EMA is not built)."""
 
 
 @dataclass(frozen=True)
@@ -368,9 +378,9 @@ class RLDataConfig:
     disable_fast_tokenizer: bool = False
     """Load the slow tokenizer."""
     dataloader_num_workers: int = 0
-    """Unused (prompts are tokenised up front)."""
+    """No effect (prints a notice): prompts are tokenised once, before training."""
     image_key: str = "images"
-    """VLM only (not supported yet)."""
+    """VLM only (not supported yet: refused unless ``images``)."""
     max_images_per_prompt: int = 0
     """VLM only (not supported yet: must stay 0)."""
 
@@ -400,7 +410,7 @@ class RLCkptConfig(CkptConfig):
     path: str = "./ckpt/checkpoints_ppo_ray"
     """Folder of resumable checkpoints (``step_N`` sub-folders)."""
     max_mem: float = float("inf")
-    """Disk budget in GB (kept for OpenRLHF compatibility; rotation uses max_num)."""
+    """Disk budget in GB: no effect in RL (a finite value prints a notice); rotation uses ``max_num``."""
     best_metric_key: str = ""
     """Eval metric that picks the best checkpoint (kept beside the newest ones, never rotated away).
     "": ``eval/pass1``; "none" disables."""

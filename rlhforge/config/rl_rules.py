@@ -1,9 +1,23 @@
 """Start-up rules of ``rlhforge rl``: features not built yet, validation (``cfg`` is an
-:class:`~rlhforge.config.rl.RLConfig`; the OpenRLHF aliases live in :mod:`rlhforge.config.rl_aliases`)."""
+:class:`~rlhforge.config.rl.RLConfig`; the OpenRLHF aliases live in :mod:`rlhforge.config.rl_aliases`).
+
+Every accepted flag either works, or is refused here (:class:`ConfigError`, exit 2, one line naming
+the flag, before any model is loaded: :data:`_NOT_BUILT` and the rules below), or prints exactly one
+``[rlhforge] note: --flag ... has no effect: why`` line (:data:`_NO_EFFECT`, the DeepSpeed-only
+``--ds.*`` knobs when no worker runs DeepSpeed). ``tests/config/test_flag_effects.py`` walks every
+flag and holds the table.
+"""
 
 from __future__ import annotations
 
 from rlhforge.config.parsing import ConfigError
+from rlhforge.config.validation import (
+    check_load_in_4bit,
+    deepspeed_only_notices,
+    notice,
+    resolved_strategy,
+    validate_logging_steps,
+)
 
 # --------------------------------------------------------------------------------------------- validation
 
@@ -12,12 +26,14 @@ _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
     ("rollout", "vllm_generate_batch_size"): (None, "vLLM generate batch size"),
     ("rollout", "max_tokens_per_gpu"): (None, "token-budget log-prob passes"),
     ("train", "dynamic_batch_enable"): (False, "dynamic (token-budget) batching in RL"),
+    ("train", "max_tokens_per_gpu"): (16192, "dynamic (token-budget) batching in RL"),
     ("train", "enable_ema"): (False, "EMA of the actor"),
     ("ref", "offload"): (False, "reference-model offload"),
     ("reward", "offload"): (False, "reward-model offload"),
     ("actor", "aux_loss_coef"): (0.0, "the MoE auxiliary loss in RL"),
     ("actor", "freeze_visual_encoder"): (False, "vision-language models"),
     ("data", "max_images_per_prompt"): (0, "vision-language models"),
+    ("data", "image_key"): ("images", "vision-language models"),
     ("algo", "dynamic_filtering_range"): (None, ""),  # checked below (has a real meaning)
     ("ds", "use_universal_ckpt"): (False, "DeepSpeed universal checkpoints"),
     ("ds", "deepcompile"): (False, "DeepSpeed DeepCompile"),
@@ -27,6 +43,19 @@ _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
     ("ds", "tensor_parallel_size"): (1, "DeepSpeed AutoTP"),
     ("ds", "experts_implementation"): (None, "MoE experts implementations"),
     ("algo.kl", "unbiased_gradient"): (False, "the unbiased KL-loss gradient"),
+}
+
+#: (section, field) -> (default, why): OpenRLHF knobs that mean nothing here; a different value prints one notice
+_NO_EFFECT: dict[tuple[str, str], tuple[object, str]] = {
+    ("vllm", "sync_backend"): ("nccl", "weights reach the engines in-process, or from Ray actor rank 0 over a "
+                                       "dedicated gloo group (or Ray's object store with --vllm.sync_with_ray); "
+                                       "NCCL / CUDA-IPC sync is not built (docs/distributed.md)"),
+    ("train", "colocate_critic_reward"): (False, "the reward model runs in the driver process, so there is no reward "
+                                                 "worker group to share the critic's devices"),
+    ("train", "ema_beta"): (0.992, "the actor EMA is not built (--train.enable_ema is refused)"),
+    ("data", "dataloader_num_workers"): (0, "prompts are tokenised once, before training (no DataLoader workers)"),
+    ("ckpt", "max_mem"): (float("inf"), "rlhforge rl keeps at most --ckpt.max_num resumable checkpoints (plus the "
+                                        "best one); it has no disk budget"),
 }
 
 _GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
@@ -53,8 +82,7 @@ def validate_rl(cfg) -> None:
         value = _get(cfg, f"{section}.{name}")
         if value != default:
             raise ConfigError(
-                f"--{section}.{name} {value} needs {what}, which rlhforge does not have yet "
-                f"(leave it at {default}; one process with the HF engine runs everything)"
+                f"--{section}.{name} {value} needs {what}, which rlhforge does not have yet (leave it at {default})"
             )
     _validate_vllm(cfg)
     _validate_distributed(cfg)
@@ -120,12 +148,109 @@ def validate_rl(cfg) -> None:
             )
     if cfg.critic.freezing_steps > 0 and not cfg.uses_critic:
         raise ConfigError("--critic.freezing_steps needs a critic (--algo.advantage.estimator gae)")
+    validate_logging_steps(cfg)
+    check_is_correction(cfg.algo.advantage)
+    _validate_remote_reward(cfg)
+    if cfg.ds.load_in_4bit:
+        check_load_in_4bit(cfg.train.device)
     from rlhforge.config.batching import plan_rl_batches
 
     plan_rl_batches(rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=n,
                     train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
                     rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=1, num_prompts=None,
                     num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs)
+    for line in no_effect_notices(cfg):
+        notice(line)
+
+
+def no_effect_notices(cfg) -> list[str]:
+    """The one-line notices of flags that are accepted but do nothing in this run."""
+    out = []
+    for (section, name), (default, why) in _NO_EFFECT.items():
+        value = _get(cfg, f"{section}.{name}")
+        if value != default:
+            shown = "" if isinstance(value, bool) else f" {value}"
+            out.append(f"--{section}.{name}{shown} has no effect: {why}")
+    out += deepspeed_only_notices(cfg.ds, rl_strategy(cfg))
+    if cfg.reward.api_key and not _http_reward(cfg):
+        out.append("--reward.api_key has no effect: it is sent to HTTP reward servers only "
+                   "(--reward.remote_url http://... or endpoints:FILE)")
+    if cfg.reward.wait_for_server_s and not _http_reward(cfg):
+        out.append(f"--reward.wait_for_server_s {cfg.reward.wait_for_server_s} has no effect: there is no HTTP reward "
+                   "server to wait for")
+    return out
+
+
+def rl_strategy(cfg) -> str:
+    """The training strategy the actor/critic workers get (``deepspeed`` if any group does)."""
+    if cfg.ds.strategy != "auto":
+        return cfg.ds.strategy
+    if not uses_ray(cfg):
+        return "torch"  # one in-process worker per model
+    sizes = [cfg.actor.num_nodes * cfg.actor.num_gpus_per_node]
+    if cfg.uses_critic:
+        sizes.append(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
+    return resolved_strategy("auto", max(sizes))
+
+
+def _http_reward(cfg) -> bool:
+    url = cfg.reward.remote_url or ""
+    return url.startswith(("http://", "https://", "endpoints:"))
+
+
+def _validate_remote_reward(cfg) -> None:
+    r = cfg.reward
+    if r.wait_for_server_s < 0:
+        raise ConfigError(f"--reward.wait_for_server_s must be >= 0 seconds (got {r.wait_for_server_s}; 0: fail at once "
+                          "if a reward server does not answer at start-up)")
+    url = r.remote_url or ""
+    if url.startswith(("http://", "https://")):
+        from rlhforge.rewards.endpoints import EndpointsFileError, StaticEndpoints
+
+        try:
+            StaticEndpoints([u.strip() for u in url.split(",") if u.strip()])
+        except EndpointsFileError as err:
+            raise ConfigError(f"--reward.remote_url: {str(err).removeprefix('<list>: ')}") from None
+
+
+# --------------------------------------------------------------------------------------------- IS correction
+
+
+def is_correction_band(threshold: tuple[float, ...]) -> tuple[float | None, float]:
+    """``--algo.advantage.is_correction_threshold`` -> ``(low, high)`` as the trainer reads it (one value:
+    an upper bound only, ``low=None``)."""
+    return (None, threshold[0]) if len(threshold) == 1 else (threshold[0], threshold[1])
+
+
+def check_is_correction(adv) -> None:
+    """The refusals of :func:`rlhforge.algorithms.corrections.is_correction`, at start-up, with the flags
+    named (``adv`` is the ``algo.advantage`` section). Nothing is checked when the level is ``off``."""
+    level, mode, gating, th = (adv.is_correction_level, adv.is_correction_mode, adv.is_correction_gating,
+                               tuple(adv.is_correction_threshold))
+    if level == "off":
+        return
+    flag = "--algo.advantage.is_correction"
+    shown = " ".join(f"{t:g}" for t in th)
+    if len(th) not in (1, 2):
+        raise ConfigError(f"{flag}_threshold takes one value (HIGH) or two (LOW HIGH), got {len(th)}: {shown}")
+    low, high = is_correction_band(th)
+    if mode == "clip" and level != "token":
+        raise ConfigError(f"{flag}_mode clip works per token only: with {flag}_level {level} clamping a sequence "
+                          f"statistic would not say which token weights to clamp; use {flag}_mode mask, or "
+                          f"{flag}_level token")
+    if mode == "clip" and gating != "ratio":
+        raise ConfigError(f"{flag}_mode clip clamps the importance ratio, so it needs {flag}_gating ratio (got "
+                          f"{gating}); a divergence gates with {flag}_mode mask")
+    if gating != "ratio" and low not in (None, 0, 0.0):
+        raise ConfigError(f"{flag}_gating {gating} takes an upper bound only (a divergence is >= 0), but "
+                          f"{flag}_threshold {shown} has the lower bound {low:g}; give one value (HIGH, e.g. 0.003) "
+                          f"or 0 HIGH")
+    if gating == "ratio" and low is None:
+        raise ConfigError(f"{flag}_gating ratio needs a band LOW HIGH with LOW > 0 (got the single value {shown}); "
+                          f"e.g. {flag}_threshold 0.5 {high:g}")
+    effective_low = 0.0 if gating != "ratio" else low
+    if not effective_low <= high:
+        raise ConfigError(f"{flag}_threshold {shown} needs LOW <= HIGH (got {effective_low:g} > {high:g})")
 
 
 def uses_ray(cfg) -> bool:

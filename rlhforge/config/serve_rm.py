@@ -103,6 +103,10 @@ class ServeRMConfig:
             raise ConfigError(f"--batch_size must be >= 1 (got {self.batch_size})")
         if self.data.max_len < 2:
             raise ConfigError(f"--data.max_len must be >= 2 (got {self.data.max_len})")
+        if self.ds.load_in_4bit:
+            from rlhforge.config.validation import check_load_in_4bit
+
+            check_load_in_4bit(self.device)
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535 (got {self.port})")
         if self.max_wait_ms < 0:

@@ -1,6 +1,14 @@
-"""Start-up validation shared by every command: clear messages, never silent auto-correction."""
+"""Start-up validation shared by every command: clear messages, never silent auto-correction.
+
+Every accepted flag either works, or is refused here (:class:`ConfigError`: exit 2, one line naming
+the flag, before any model is loaded), or, for an OpenRLHF tuning knob that means nothing in this
+run, prints exactly one ``[rlhforge] note: --flag ... has no effect: why`` line (:func:`notice`).
+"""
 
 from __future__ import annotations
+
+import os
+import sys
 
 from rlhforge.config.parsing import ConfigError
 
@@ -47,6 +55,7 @@ def validate_common(cfg) -> None:
         raise ConfigError(f"--ds.lora.rank must be >= 0 (got {cfg.ds.lora.rank})")
     if cfg.ds.load_in_4bit and cfg.ds.lora.rank == 0:
         raise ConfigError("--ds.load_in_4bit (QLoRA) needs LoRA adapters: set --ds.lora.rank > 0")
+    validate_logging_steps(cfg)
     if not 0.0 <= cfg.eval.holdout_ratio < 1.0:
         raise ConfigError(f"--eval.holdout_ratio must be in [0, 1) (got {cfg.eval.holdout_ratio})")
     if not 0.0 <= cfg.optim.lr_warmup_ratio <= 1.0:
@@ -60,3 +69,93 @@ def validate_common(cfg) -> None:
             raise ConfigError(
                 f"--data.dataset_probs has {len(probs)} values for {len(names)} datasets ({cfg.data.dataset})"
             )
+    if cfg.ds.load_in_4bit:
+        check_load_in_4bit(cfg.train.device)
+    validate_no_effect_common(cfg)
+
+
+def validate_no_effect_common(cfg) -> None:
+    """Notices (never errors) for the SFT/RM/DPO flags that do nothing in this run."""
+    for line in deepspeed_only_notices(cfg.ds, resolved_strategy(cfg.ds.strategy, world_size())):
+        notice(line)
+    if cfg.data.dataloader_num_workers != 0:
+        notice(f"--data.dataloader_num_workers {cfg.data.dataloader_num_workers} has no effect: the data is "
+               "tokenised once, before training (no DataLoader worker processes)")
+    if cfg.optim.name != "muon":
+        from rlhforge.config.components import MuonConfig
+
+        default = MuonConfig()
+        for name in ("lr", "momentum", "ns_steps", "nesterov"):
+            value = getattr(cfg.optim.muon, name)
+            if value != getattr(default, name):
+                notice(f"--muon.{name} {value} has no effect: the optimizer is {cfg.optim.name} "
+                       "(Muon is not supported yet)")
+
+
+def validate_logging_steps(cfg) -> None:
+    if cfg.logger.logging_steps < 1:
+        raise ConfigError(f"--logger.logging_steps must be >= 1 (got {cfg.logger.logging_steps}): metrics are "
+                          "written every N optimizer steps")
+
+
+# --------------------------------------------------------------------------------------------- notices
+
+
+def notice(message: str) -> None:
+    """One start-up line (stderr, rank 0 only) saying that a flag has no effect here."""
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        print(f"[rlhforge] note: {message}", file=sys.stderr)
+
+
+def world_size() -> int:
+    """Processes of this launch (torchrun / deepspeed set WORLD_SIZE; 1 otherwise)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def resolved_strategy(strategy: str, world: int) -> str:
+    """What ``--ds.strategy`` becomes (as :func:`rlhforge.backend.factory.build_strategy` decides)."""
+    if strategy == "auto":
+        return "deepspeed" if world > 1 else "torch"
+    return strategy
+
+
+#: DeepSpeed-only ``--ds.*`` knobs and their defaults (read by the DeepSpeed strategy alone)
+DEEPSPEED_ONLY: dict[str, object] = {"zero_stage": 2, "zpg": 1, "adam_offload": False, "overlap_comm": False,
+                                     "grad_accum_dtype": None}
+
+
+def deepspeed_only_notices(ds, strategy: str) -> list[str]:
+    """One line per DeepSpeed-only flag set to a non-default value while ``strategy`` (resolved) is
+    not DeepSpeed."""
+    if strategy == "deepspeed":
+        return []
+    if ds.strategy == "auto":
+        why = "one process uses the plain torch strategy; use --ds.strategy deepspeed for DeepSpeed ZeRO"
+    elif strategy == "fsdp2":
+        why = "--ds.strategy fsdp2 always shards like ZeRO-3 (this is a DeepSpeed option)"
+    else:
+        why = f"--ds.strategy {strategy} is not DeepSpeed; use --ds.strategy deepspeed"
+    out = []
+    for name, default in DEEPSPEED_ONLY.items():
+        value = getattr(ds, name)
+        if value != default:
+            shown = "" if isinstance(value, bool) else f" {value}"
+            out.append(f"--ds.{name}{shown} has no effect: {why}")
+    return out
+
+
+def check_load_in_4bit(device: str, flag: str = "--ds.load_in_4bit") -> None:
+    """QLoRA's 4-bit base needs a CUDA device and bitsandbytes: refuse at start-up, not at model load."""
+    import importlib.util
+
+    if device == "cpu":
+        raise ConfigError(f"{flag} (4-bit QLoRA base, bitsandbytes) needs a CUDA device, but the device is cpu; "
+                          "drop the flag (LoRA without 4 bits works on CPU)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{flag} (4-bit QLoRA base, bitsandbytes) needs a CUDA device, and none is visible here; "
+                          "drop the flag (LoRA without 4 bits works on CPU)")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"{flag} needs bitsandbytes, which is not installed: `pip install bitsandbytes`, "
+                          "or drop the flag")

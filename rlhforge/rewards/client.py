@@ -17,16 +17,48 @@ when the server sends none (as OpenRLHF does).
 
 :func:`post_json` is the same retry policy for one URL and one payload (callers that shard and
 validate themselves, such as the RL trainer's ``RemoteReward``).
+
+API keys (``rlhforge serve-rm --api_key``): requests carry ``Authorization: Bearer KEY``, the header
+the server checks. The key is ``api_key=`` where given, else the process default: the one set with
+:func:`set_api_key` (``rlhforge rl`` sets ``--reward.api_key`` there), else the
+``RLHFORGE_REWARD_API_KEY`` environment variable. The key is never part of a message or log line.
+
+:func:`wait_for_reward_servers` probes servers before a run loads its models (one empty request
+each; a refused key, a wrong path or silence is reported at once, or after waiting).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["RemoteRewardClient", "RewardResult", "RewardServerError", "post_json", "shard_bounds"]
+__all__ = ["RemoteRewardClient", "RewardResult", "RewardServerError", "post_json", "shard_bounds", "API_KEY_ENV",
+           "set_api_key", "default_api_key", "auth_headers", "wait_for_reward_servers"]
+
+#: environment variable with the reward servers' API key (used when no key is set explicitly)
+API_KEY_ENV = "RLHFORGE_REWARD_API_KEY"
+_process_api_key: str | None = None
+
+
+def set_api_key(key: str | None) -> None:
+    """Set (or, with None, clear) the process default API key of reward-server requests."""
+    global _process_api_key
+    _process_api_key = key or None
+
+
+def default_api_key() -> str | None:
+    """The key set with :func:`set_api_key`, else ``$RLHFORGE_REWARD_API_KEY``, else None."""
+    return _process_api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """``{"Authorization": "Bearer KEY"}`` for ``api_key`` (None: :func:`default_api_key`), or ``{}``."""
+    key = api_key if api_key is not None else default_api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class RewardServerError(RuntimeError):
@@ -74,9 +106,7 @@ class RemoteRewardClient:
             raise ValueError(f"max_attempts must be >= 1 (got {max_attempts})")
         self.timeout, self.max_attempts = timeout, max_attempts
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.headers = dict(headers or {})
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.headers = {**auth_headers(api_key), **(headers or {})}
 
     async def get_rewards(self, queries: Sequence[str], prompts: Sequence[str] | None = None,
                           labels: Sequence[Any] | None = None) -> RewardResult:
@@ -173,11 +203,11 @@ async def post_json(url: str, payload: dict, timeout: float = 180.0, *, max_atte
     """POST one JSON payload to ``url`` with the client's retry policy; returns the decoded answer.
 
     For callers that shard and validate themselves (``rlhforge.rewards.sources.RemoteReward``).
-    Raises :class:`RewardServerError` (naming ``url``) when every attempt fails or the answer is
-    not JSON."""
+    ``headers=None`` sends the process default API key (:func:`auth_headers`). Raises
+    :class:`RewardServerError` (naming ``url``) when every attempt fails or the answer is not JSON."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=timeout, headers=headers) as http:
+    async with httpx.AsyncClient(timeout=timeout, headers=auth_headers() if headers is None else headers) as http:
         response = await _post_with_retries(http, url, payload, timeout=timeout, max_attempts=max_attempts,
                                             backoff_s=backoff_s, max_backoff_s=max_backoff_s)
     try:
@@ -195,3 +225,69 @@ def _reason(response) -> str:
     except ValueError:
         pass
     return response.text[:200] or response.reason_phrase
+
+
+def _probe(url: str, headers: dict[str, str], timeout: float) -> tuple[str, str]:
+    """One empty request to ``url``: ``("ok" | "retry" | "fatal", reason)``."""
+    import httpx
+
+    try:
+        response = httpx.post(url, json={"query": [], "prompts": [], "labels": []}, headers=headers,
+                              timeout=httpx.Timeout(timeout, connect=min(timeout, 3.0)))
+    except httpx.ConnectTimeout:
+        return "retry", "connection timed out"
+    except httpx.TimeoutException:
+        return "ok", "connected, but the answer took longer than the probe waits"
+    except httpx.TransportError as err:
+        return "retry", f"{type(err).__name__}: {err or 'connection failed'}"
+    code = response.status_code
+    if code in (401, 403):
+        sent = "the API key sent was refused" if "Authorization" in headers else "no API key was sent"
+        return "fatal", f"rejected the request: HTTP {code}: {_reason(response)} ({sent})"
+    if code == 404:
+        return "fatal", ("HTTP 404: the server has no such path (rlhforge serve-rm and OpenRLHF's server answer "
+                         "on /get_reward)")
+    if code in (502, 503, 504):
+        return "retry", f"HTTP {code}: {_reason(response)}"
+    return "ok", f"HTTP {code}"  # any other answer: the server is up (an empty batch may be a 4xx/5xx there)
+
+
+def wait_for_reward_servers(urls: Sequence[str], *, api_key: str | None = None, wait_s: float = 0.0,
+                            timeout: float = 5.0, require: str = "all",
+                            log: Callable[[str], None] = lambda msg: print(msg, flush=True)) -> None:
+    """Probe each of ``urls`` with an empty request (``{"query": [], ...}``) before a run starts.
+
+    A refused API key (401/403) or an unknown path (404) raises :class:`RewardServerError` at once;
+    no connection (or 502-504) is retried until ``wait_s`` seconds have passed (0: no retry), with a
+    progress line through ``log`` about every 10 s. ``require="any"``: one answering server is
+    enough (a live endpoints list). The key is sent as :func:`auth_headers` does; it never appears
+    in a message."""
+    headers = auth_headers(api_key)
+    pending = list(dict.fromkeys(urls))
+    start = time.monotonic()
+    deadline = start + max(0.0, wait_s)
+    last_log = None
+    while True:
+        reasons: dict[str, str] = {}
+        for url in pending:
+            status, reason = _probe(url, headers, timeout)
+            if status == "fatal":
+                raise RewardServerError(f"reward server {url} {reason}", url)
+            if status == "ok":
+                if require == "any":
+                    return
+            else:
+                reasons[url] = reason
+        pending = [u for u in pending if u in reasons]
+        if not pending:
+            return
+        now = time.monotonic()
+        if now >= deadline:
+            url = pending[0]
+            waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
+            raise RewardServerError(f"reward server {url} does not answer{waited}: {reasons[url]}", url)
+        if last_log is None or now - last_log >= 10.0:
+            log(f"[rlhforge] waiting for reward server {', '.join(pending)} ({now - start:.0f} s of {wait_s:g} s): "
+                f"{reasons[pending[0]]}")
+            last_log = now
+        time.sleep(min(1.0, max(0.0, deadline - now)))
