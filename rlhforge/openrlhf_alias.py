@@ -29,20 +29,20 @@ import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
-import re
 import sys
 import threading
 import types
 from typing import Iterator
 
-__all__ = ["openrlhf_alias", "alias_hint", "extract_boxed_answer", "grade_answer", "ALIASED"]
+__all__ = ["openrlhf_alias", "alias_hint", "ALIASED"]
 
-# module name -> {attribute: "module:object"}; imported when the alias module is executed
+# module name -> {attribute: "module:object"}: a name table (like entry points), resolved only when a
+# user file imports the alias module, so this module depends on no layer
 ALIASED: dict[str, dict[str, str]] = {
     "openrlhf": {},
     "openrlhf.utils": {
-        "extract_boxed_answer": "rlhforge.openrlhf_alias:extract_boxed_answer",
-        "grade_answer": "rlhforge.openrlhf_alias:grade_answer",
+        "extract_boxed_answer": "rlhforge.rewards.math:extract_boxed_answer",
+        "grade_answer": "rlhforge.rewards.math:grade_answer",
     },
     "openrlhf.utils.agent": {
         "AgentExecutorBase": "rlhforge.agents.multi_turn:AgentExecutorBase",
@@ -52,25 +52,6 @@ ALIASED: dict[str, dict[str, str]] = {
 }
 _PACKAGES = {"openrlhf", "openrlhf.utils"}
 _LOCK = threading.RLock()
-
-
-def extract_boxed_answer(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox``) in ``text``; None without one."""
-    from rlhforge.rewards.math import extract_answer
-
-    if not isinstance(text, str) or not re.search(r"\\(?:boxed|fbox)", text):
-        return None
-    return extract_answer(text)
-
-
-def grade_answer(given_answer: str | None, ground_truth: str) -> bool:
-    """Whether ``given_answer`` equals ``ground_truth`` mathematically (math-verify, with
-    rlhforge's timeout guard); None or an empty answer is wrong."""
-    from rlhforge.rewards.math import math_reward
-
-    if given_answer is None or not str(given_answer).strip():
-        return False
-    return math_reward("\\boxed{" + str(given_answer) + "}", str(ground_truth)) == 1.0
 
 
 def alias_hint(err: BaseException) -> str:

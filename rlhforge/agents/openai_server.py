@@ -55,7 +55,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor, turn_seed
-from rlhforge.agents.multi_turn import _float_logs, to_float
+from rlhforge.agents.values import _float_logs, to_float
 from rlhforge.agents.types import Trajectory
 from rlhforge.rollout.engine import SamplingParams
 

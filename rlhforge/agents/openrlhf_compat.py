@@ -102,7 +102,7 @@ def to_rlhforge_sampling(params: Any, base: SamplingParams) -> SamplingParams:
     """``params`` (a :class:`VLLMSamplingParams`, a vLLM ``SamplingParams``, a dict or rlhforge's
     :class:`SamplingParams`; None: ``base``) as rlhforge's parameters. ``max_tokens=None`` keeps
     ``base``'s limit; the seed is ``base``'s."""
-    from rlhforge.agents.multi_turn import merge_sampling
+    from rlhforge.agents.values import merge_sampling
 
     if params is None:
         return base
@@ -154,14 +154,14 @@ class OpenRLHFEngine:
                                       finish_reason=finish)])
 
 
-def user_execute(executor) -> bool:
-    """Whether ``executor``'s class defines its own (OpenRLHF-shaped) ``execute``."""
+def user_execute(executor, *own: type) -> bool:
+    """Whether ``executor``'s class defines its own (OpenRLHF-shaped) ``execute``, i.e. one that is
+    not rlhforge's (:class:`EpisodeExecutor`'s or one of the ``own`` base classes')."""
     from rlhforge.agents.episode import EpisodeExecutor
-    from rlhforge.agents.multi_turn import MultiTurnAgentExecutor
 
     for klass in type(executor).__mro__:
         if "execute" in vars(klass):
-            return klass not in (EpisodeExecutor, MultiTurnAgentExecutor)
+            return klass not in (EpisodeExecutor, *own)
     return False
 
 
@@ -187,7 +187,7 @@ async def run_openrlhf_execute(executor, ep: Episode, ctx: EpisodeContext) -> Tr
 def trajectory_from_result(res: Any, req: PromptRequest, engine: OpenRLHFEngine, max_length: int, *,
                            needs_reward: bool = True) -> Trajectory:
     """The :class:`Trajectory` of OpenRLHF's executor result dict (see the module docstring)."""
-    from rlhforge.agents.multi_turn import _float_logs, to_float
+    from rlhforge.agents.values import _float_logs, to_float
 
     if not isinstance(res, dict):
         raise AgentError(f"execute returned {type(res).__name__}; expected OpenRLHF's dict with "

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor
-from rlhforge.agents.multi_turn import _float_logs, to_float
+from rlhforge.agents.values import _float_logs, to_float
 from rlhforge.agents.types import Trajectory
 
 __all__ = ["Task", "TASKS", "ENVS", "register_task", "register_env", "get_task", "get_env", "parse_label",

@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["MathCheck", "MathVerifier", "extract_answer", "math_reward", "reward_func"]
+__all__ = ["MathCheck", "MathVerifier", "extract_answer", "extract_boxed_answer", "grade_answer", "math_reward",
+           "reward_func"]
 
 logger = logging.getLogger(__name__)
 
@@ -353,3 +354,19 @@ def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence
             "math/timeout": torch.tensor([float(c.reason == "timeout") for c in checks]),
         },
     }
+
+
+def extract_boxed_answer(text: str) -> str | None:
+    """OpenRLHF's ``openrlhf.utils.extract_boxed_answer``: content of the last ``\\boxed{...}`` (or
+    ``\\fbox``) in ``text``; None without one."""
+    if not isinstance(text, str) or not re.search(r"\\(?:boxed|fbox)", text):
+        return None
+    return extract_answer(text)
+
+
+def grade_answer(given_answer: str | None, ground_truth: str) -> bool:
+    """OpenRLHF's ``openrlhf.utils.grade_answer``: whether ``given_answer`` equals ``ground_truth``
+    mathematically (math-verify, with rlhforge's timeout guard); None or an empty answer is wrong."""
+    if given_answer is None or not str(given_answer).strip():
+        return False
+    return math_reward("\\boxed{" + str(given_answer) + "}", str(ground_truth)) == 1.0
