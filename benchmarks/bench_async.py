@@ -69,7 +69,7 @@ def run(name: str, extra: list[str], model: Path, out: Path, steps: int) -> dict
     return {
         "wall_s": wall, "seconds_per_step_after_first": per_step,
         "mean_wait_rollout_s": mean("timing/wait_rollout"), "mean_generation_s": mean("timing/generation"),
-        "mean_training_s": mean("timing/training"), "mean_experience_s": mean("timing/experience"),
+        "mean_training_s": mean("timing/ppo_train"), "mean_experience_s": mean("timing/make_experience"),
         "staleness": [r["async/staleness"] for r in rows],
         "mean_reward": mean("rollout/reward_mean", rows),
         "mean_logprob_gap": mean("rollout/logprob_diff_rollout_vs_train"),

@@ -46,8 +46,10 @@ def bench_rlhforge(model_dir: Path, out_dir: Path, steps: int) -> dict:
     trainer.step()  # warm-up (generates its batch synchronously)
     rows = [trainer.step() for _ in range(steps)]
     trainer.logger.close()
-    t = {k: sum(r[f"timing/{k}"] for r in rows) for k in ("generation", "experience", "training", "weight_sync", "step")}
-    tokens = sum(r["perf/tokens_per_s"] * r["timing/step"] for r in rows)
+    names = {"generation": "generation", "experience": "make_experience", "training": "ppo_train",
+             "weight_sync": "broadcast", "step": "step_total"}  # result keys -> the trainer's timing/* names
+    t = {k: sum(r[f"timing/{name}"] for r in rows) for k, name in names.items()}
+    tokens = sum(r["perf/tokens_per_s"] * r["timing/step_total"] for r in rows)
     samples = PROMPTS * GROUP * steps
     return {
         "seconds_per_step": t["step"] / steps, "samples_per_s": samples / t["step"], "tokens_per_s": tokens / t["step"],

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import threading
@@ -35,6 +36,7 @@ import torch
 from rlhforge.agents.episode import AgentError, drop_failed_groups
 from rlhforge.agents.single_turn import PromptRequest, SingleTurnExecutor
 from rlhforge.algorithms import (
+    GAMMA_ONE_ESTIMATORS,
     compute_advantages,
     compute_kl,
     dynamic_filter,
@@ -103,18 +105,27 @@ class RLTrainer:
         self.kl_ctl = make_kl_controller(kl.init_coef, kl.target, kl.horizon)
         self.stream = PromptStream(len(prompts), cfg.train.seed)
         self.max_new_tokens = cfg.rollout.max_new_tokens or max(1, cfg.data.max_len - max(len(p.ids) for p in prompts))
-        self.loss_spec = self._loss_spec()
+        self.gamma = self._gamma()
+        self.loss_spec = self._loss_spec()  # kl_loss_coef is set from the KL controller at every step
         self._loops = threading.local()  # one asyncio loop per thread (the async generator has its own)
         self.engine_lock = threading.Lock()  # generation vs weight sync (async mode)
 
     # ------------------------------------------------------------------------------------ setup
+    def _gamma(self) -> float:
+        """OpenRLHF forces gamma = 1 for the group / batch-baseline estimators (with a warning)."""
+        adv = self.cfg.algo.advantage
+        if adv.estimator in GAMMA_ONE_ESTIMATORS and adv.gamma != 1.0:
+            print(f"[rlhforge] warning: --algo.advantage.gamma {adv.gamma} is ignored with {adv.estimator}: "
+                  f"gamma is forced to 1.0 (as OpenRLHF does)", flush=True)
+            return 1.0
+        return adv.gamma
+
     def _loss_spec(self) -> PolicyLossSpec:
         cfg = self.cfg
         a = cfg.actor
         est = cfg.algo.advantage.estimator
         low, high = a.eps_clip_low_high if a.eps_clip_low_high is not None else (a.eps_clip, a.eps_clip)
-        agg = a.loss_agg_mode.replace("-", "_")
-        norm = None
+        agg = a.loss_agg_mode.replace("-", "_")  # every estimator, dr_grpo included (as OpenRLHF)
         if est == "flash_reinforce":
             loss_type, kwargs, agg = "flash_reinforce", {}, "seq_mean_token_mean"
         else:
@@ -122,14 +133,18 @@ class RLTrainer:
             kwargs = {"eps_low": low, "eps_high": high, "dual_clip": a.dual_clip}
             if loss_type == "gspo":
                 agg = "seq_mean_token_mean"
-            elif est == "dr_grpo":
-                agg, norm = "seq_mean_token_sum_norm", float(self.max_new_tokens)
+        # the Dr. GRPO paper's normaliser, on request: per-sequence token sum / max response length
+        norm = float(self.max_new_tokens) if agg == "seq_mean_token_sum_norm" else None
         return PolicyLossSpec(
             loss_type=loss_type, loss_kwargs=kwargs, agg_mode=agg, norm_constant=norm,
             temperature=cfg.rollout.temperature, entropy_coef=a.entropy_coef or 0.0,
-            kl_loss_coef=cfg.algo.kl.init_coef if (cfg.algo.kl.use_loss and self.ref is not None) else 0.0,
-            kl_estimator=cfg.algo.kl.estimator, use_rollout_logprobs_as_old=est == "flash_reinforce",
+            kl_loss_coef=self._kl_loss_coef(), kl_estimator=cfg.algo.kl.estimator,
+            use_rollout_logprobs_as_old=est == "flash_reinforce",
         )
+
+    def _kl_loss_coef(self) -> float:
+        """beta of the KL loss term for this step: the controller's current value (0 without use_loss)."""
+        return self.kl_ctl.value if (self.cfg.algo.kl.use_loss and self.ref is not None) else 0.0
 
     def _run(self, coro):
         loop = getattr(self._loops, "loop", None)
@@ -204,21 +219,24 @@ class RLTrainer:
                         "async/weights_version": float(batch.version_start),
                         "timing/wait_rollout": batch.extra.get("wait_s", batch.generation_s)})
         t1 = time.perf_counter()
+        kl_coef = self.kl_ctl.value  # this step's beta (reward penalty or KL loss); updated after the step
         samples, exp_metrics = self.make_experience(trajs)
         metrics.update(exp_metrics)
         t2 = time.perf_counter()
         metrics.update(self.train(samples))
         t3 = time.perf_counter()
+        if "actor/kl_ref" in exp_metrics:  # as OpenRLHF: the controller moves after the step that used it
+            self.kl_ctl.update(exp_metrics["actor/kl_ref"], len(samples))
         self.state.global_step += 1
         self.sync_weights()
         t4 = time.perf_counter()
         tokens = sum(len(s) for s in samples)
         step_s = t4 - t0 + (0.0 if self.cfg.train.async_enable else batch.generation_s)
-        metrics.update({
-            "timing/generation": batch.generation_s, "timing/experience": t2 - t1, "timing/training": t3 - t2,
-            "timing/weight_sync": t4 - t3, "timing/step": step_s,
+        metrics.update({  # OpenRLHF's timing names
+            "timing/generation": batch.generation_s, "timing/make_experience": t2 - t1,
+            "timing/ppo_train": t3 - t2, "timing/broadcast": t4 - t3, "timing/step_total": step_s,
             "perf/tokens_per_s": tokens / max(step_s, 1e-9), "perf/samples_per_s": len(samples) / max(step_s, 1e-9),
-            "rollout/kl_coef": self.kl_ctl.value,
+            "rollout/kl_coef": kl_coef,
         })
         if self.state.global_step % self.cfg.logger.logging_steps == 0:
             self._write_samples(trajs[: min(len(trajs), 8)])
@@ -296,8 +314,10 @@ class RLTrainer:
         if n > 1:
             metrics["rollout/group_reward_std"] = _mean(
                 _std(t.reward for t in all_trajs[g * n : (g + 1) * n]) for g in range(len(all_trajs) // n))
+        # reward extra_logs / agent metrics: the mean over *every* sample of the rollout, a sample without
+        # the key counting as 0 (OpenRLHF's average over the whole batch)
         for key in sorted({k for t in all_trajs for k in t.extra}):
-            metrics[f"rollout/{key}"] = _mean(t.extra[key] for t in all_trajs if key in t.extra)
+            metrics[f"rollout/{key}"] = _mean(float(t.extra.get(key, 0.0)) for t in all_trajs)
         return trajs, metrics, self.stream.position
 
     # ------------------------------------------------------------------------------------ experience
@@ -337,19 +357,16 @@ class RLTrainer:
             ref_lp = pad_rows([s.tensors["ref_logprobs"] for s in samples])
             kl = compute_kl(old_lp, ref_lp, mask, cfg.algo.kl.estimator)
             per_seq_kl = (kl * mask).sum(1) / mask.sum(1).clamp_min(1)
-            metrics["actor/kl_ref"] = float(per_seq_kl.mean())
-            self.kl_ctl.update(float(per_seq_kl.mean()), len(samples))
+            metrics["actor/kl_ref"] = float(per_seq_kl.mean())  # the KL controller's input (step())
         adv_cfg = cfg.algo.advantage
-        est = adv_cfg.estimator
-        if est == "group_norm" and adv_cfg.no_std_norm:
-            est = "dr_grpo"  # OpenRLHF's --no_advantage_std_norm with GRPO: mean-centred only
+        est = adv_cfg.estimator  # no_std_norm only changes the global whitening (group_norm keeps its std)
         values = pad_rows([s.tensors["values"] for s in samples]) if self.critic is not None else None
         use_penalty = kl is not None and not cfg.algo.kl.use_loss
         adv, ret = compute_advantages(
             est, rewards, mask, values=values, kl=kl if use_penalty else None,
             kl_coef=self.kl_ctl.value if use_penalty else 0.0,
             reward_clip=tuple(cfg.reward.clip_range) if cfg.reward.clip_range is not None else None,
-            n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, gamma=adv_cfg.gamma, lam=adv_cfg.lambd,
+            n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, gamma=self.gamma, lam=adv_cfg.lambd,
             whiten_std=not adv_cfg.no_std_norm,
         )
         for s, a, r in zip(samples, unpad_rows(adv, lengths), unpad_rows(ret, lengths)):
@@ -380,6 +397,7 @@ class RLTrainer:
         bs = cfg.train.batch_size
         actor_frozen = self.critic is not None and self.state.global_step < cfg.critic.freezing_steps
         sums: dict[str, list[float]] = {}
+        spec = dataclasses.replace(self.loss_spec, kl_loss_coef=self._kl_loss_coef())  # this step's beta
         sleep = cfg.ds.enable_sleep
         models = [g for g in (self.critic, self.actor) if g is not None]
         if sleep:
@@ -394,7 +412,7 @@ class RLTrainer:
                     for k, v in self.critic.map_train("train_step", chunk, cfg.critic.value_clip)[0].items():
                         sums.setdefault(f"critic/{k}", []).append(v)
                 if not actor_frozen:
-                    for k, v in self.actor.map_train("train_step", chunk, self.loss_spec)[0].items():
+                    for k, v in self.actor.map_train("train_step", chunk, spec)[0].items():
                         sums.setdefault(f"actor/{k}", []).append(v)
         if sleep:
             for g in models:

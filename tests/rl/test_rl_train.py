@@ -43,7 +43,7 @@ def test_every_estimator_trains_end_to_end(tiny_model_dir, tmp_path, estimator):
     recs = [r for r in metrics(out) if "rollout/reward_mean" in r]
     assert [r["step"] for r in recs] == [1, 2]
     for key in ("rollout/reward_mean", "rollout/response_length", "rollout/truncated_frac", "timing/generation",
-                "timing/training", "perf/tokens_per_s", "rollout/resp_chars"):
+                "timing/ppo_train", "perf/tokens_per_s", "rollout/resp_chars"):
         assert key in recs[0], key
     if estimator == "gae":
         assert recs[0]["actor/frozen"] == 1.0 and recs[1]["actor/frozen"] == 0.0  # critic warm-up

@@ -124,7 +124,7 @@ def test_grpo_end_to_end_through_the_cli_with_one_vllm_engine(tiny_model_dir, tm
     extra = ["--ds.lora.rank", "8", "--ds.lora.alpha", "16"] if lora else []  # synced as merged base weights
     assert rl_main(rl_args(tiny_model_dir, out, "--vllm.num_engines", "1", "--vllm.enable_prefix_caching",
                            "--vllm.enforce_eager", *extra, steps=2)) == 0
-    rows = [r for r in metrics(out) if "timing/weight_sync" in r]
+    rows = [r for r in metrics(out) if "timing/broadcast" in r]
     assert len(rows) == 2 and all(r["timing/generation"] > 0 for r in rows)
     # step 2 samples from the weights synced after step 1: the engine's log-probs are the actor's
     diffs = [r["rollout/logprob_diff_rollout_vs_train"] for r in metrics(out)
