@@ -67,3 +67,77 @@ def check_every_flag(cls, command: str, count: int, base: list[str], values: dic
             from_dict(cls, {**base_keys, key: value}).validate()
         except ConfigError as err:  # a validation message naming the flag (e.g. "not supported yet")
             assert flag.split(".")[-1].lstrip("-") in str(err), (flag, err)
+
+
+# --------------------------------------------------------------------------------------------- from the dataclasses
+
+
+def dataclass_flags(cls, prefix: str = "") -> dict[str, tuple[object, object]]:
+    """Every accepted dotted flag of config class ``cls`` (as tyro derives them): ``{"--a.b": (type, default)}``."""
+    import dataclasses
+    import typing
+
+    out: dict[str, tuple[object, object]] = {}
+    hints = typing.get_type_hints(cls)
+    default = cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        sub = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        if sub:
+            out.update(dataclass_flags(sub[0], f"{prefix}{f.name}."))
+        else:
+            out[f"--{prefix}{f.name}"] = (tp, getattr(default, f.name))
+    return out
+
+
+def non_default_value(tp, default) -> tuple[list[str], object] | None:
+    """A value different from ``default`` that fits ``tp``: (argv tokens after the flag, Python value);
+    None when the type has no other value (a one-choice Literal)."""
+    import math
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is not None and type(None) in args and origin is not typing.Literal:
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is bool:
+        return ([] if not default else None), not default  # [] = the switch alone; None = "--no_" form
+    if origin is typing.Literal:
+        other = [c for c in args if c != default]
+        return ([str(other[0])], other[0]) if other else None
+    if tp is int:
+        value = default * 2 if isinstance(default, int) and default > 0 else 2
+        return [str(value)], value
+    if tp is float:
+        value = 0.25 if not default else (10.0 if not math.isfinite(default) else default * 0.5)
+        return [repr(value)], value
+    if tp is str:
+        return ["x"], "x"
+    if origin is tuple:
+        if args == (str, Ellipsis):
+            return ["q_proj"], ("q_proj",)
+        if args == (float, Ellipsis):
+            return ["0.3"], (0.3,)
+        return ["0.1", "0.2"], (0.1, 0.2)
+    raise AssertionError(f"no value rule for {tp}")
+
+
+def flag_argv(flag: str, tokens: list[str] | None) -> list[str]:
+    """``--a.b`` + value tokens; ``None`` tokens: a default-True switch turned off (``--a.no_b``)."""
+    if tokens is None:
+        section, _, leaf = flag.rpartition(".")
+        return [f"{section}.no_{leaf}" if section else f"--no_{leaf[2:]}"]
+    return [flag, *tokens]
+
+
+def refused_line(main, argv, capsys) -> str:
+    """Run a command's ``main(argv)``; assert exit 2 with exactly one error line and no traceback; return it."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, (exc.value.code, err)
+    lines = [x for x in err.splitlines() if ": error:" in x]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "model folder not found" not in err, err
+    return lines[0]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhforge.config.parsing import secret
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -232,8 +234,9 @@ class CkptConfig:
 class WandbConfig:
     """Weights & Biases (optional; needs ``pip install wandb``)."""
 
-    key: str | None = None
-    """API key (or ``env`` to use WANDB_API_KEY). Enables W&B logging."""
+    key: str | None = secret(redacted="env")
+    """API key (or ``env`` to use WANDB_API_KEY). Enables W&B logging. Written to config.yaml as
+    ``env`` (never the key itself)."""
     org: str | None = None
     """Entity."""
     group: str | None = None

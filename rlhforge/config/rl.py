@@ -150,9 +150,10 @@ class RewardConfig:
     offload: bool = False
     """Offload the reward model between uses (not supported yet)."""
     num_nodes: int = 1
-    """A reward model runs in the driver process (one worker): must stay 1."""
+    """No effect (another value prints a notice): a reward model runs in the driver process on one device."""
     num_gpus_per_node: int = 1
-    """A reward model runs in the driver process (one worker): must stay 1. OpenRLHF: 8."""
+    """No effect (another value prints a notice): a reward model runs in the driver process on one device.
+    OpenRLHF: 8."""
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,27 @@ def no_effect_notices(cfg) -> list[str]:
             shown = "" if isinstance(value, bool) else f" {value}"
             out.append(f"--{section}.{name}{shown} has no effect: {why}")
     out += deepspeed_only_notices(cfg.ds, rl_strategy(cfg))
+    for name in ("num_nodes", "num_gpus_per_node"):
+        value = getattr(cfg.reward, name)
+        if value != 1:
+            out.append(f"--reward.{name} {value} has no effect: a reward model runs in the driver process on one device")
+    from rlhforge.config.rl import VllmConfig
+
+    v, v0 = cfg.vllm, VllmConfig()
+    if not v.num_engines:
+        for name in ("tensor_parallel_size", "enable_prefix_caching", "enforce_eager", "enable_sleep",
+                     "gpu_memory_utilization"):
+            value = getattr(v, name)
+            if value != getattr(v0, name):
+                shown = "" if isinstance(value, bool) else f" {value}"
+                out.append(f"--vllm.{name}{shown} has no effect without --vllm.num_engines (the in-process HF "
+                           "engine generates)")
+    ray = uses_ray(cfg)
+    if v.sync_with_ray and not ray:
+        out.append("--vllm.sync_with_ray has no effect without Ray workers (weights are synced in-process)")
+    if v.sync_bucket_mb != v0.sync_bucket_mb and not ray and not v.num_engines:
+        out.append(f"--vllm.sync_bucket_mb {v.sync_bucket_mb} has no effect: no Ray workers and no vLLM engines "
+                   "(weights are synced in-process)")
     if cfg.reward.api_key and not _http_reward(cfg):
         out.append("--reward.api_key has no effect: it is sent to HTTP reward servers only "
                    "(--reward.remote_url http://... or endpoints:FILE)")
@@ -283,9 +304,9 @@ def _validate_distributed(cfg) -> None:
         raise ConfigError("--train.partial_rollout_enable pauses generation between decoding steps, which the HF "
                           "engine does; with --vllm.num_engines the generator finishes each batch before a weight "
                           "sync (drop --train.partial_rollout_enable)")
-    if cfg.reward.model_name_or_path and cfg.reward.num_nodes * cfg.reward.num_gpus_per_node > 1:
-        print(f"[rlhforge] note: the reward model runs in the driver process on one device; --reward.num_nodes "
-              f"{cfg.reward.num_nodes} x --reward.num_gpus_per_node {cfg.reward.num_gpus_per_node} is not used")
+    for name in ("num_nodes", "num_gpus_per_node"):
+        if getattr(cfg.reward, name) < 1:
+            raise ConfigError(f"--reward.{name} must be >= 1 (got {getattr(cfg.reward, name)})")
     world = cfg.actor.num_nodes * cfg.actor.num_gpus_per_node
     if uses_ray(cfg):
         if cfg.ds.load_in_4bit:

@@ -35,7 +35,7 @@ def validate_common(cfg) -> None:
     if getattr(cfg, "use_ms", False):
         raise ConfigError("--use_ms (ModelScope) is not supported; download the model and pass a local folder")
     if cfg.optim.name == "muon":
-        raise ConfigError("--optim muon is not supported by rlhforge yet; use --optim adam")
+        raise ConfigError("--optim.name muon (OpenRLHF: --optim muon) is not supported by rlhforge yet; use adam")
     if getattr(cfg.model, "aux_loss_coef", 0.0):
         raise ConfigError(f"--model.aux_loss_coef {cfg.model.aux_loss_coef}: the MoE load-balancing loss is not "
                           "supported by rlhforge yet (leave it at 0)")
@@ -88,7 +88,7 @@ def validate_no_effect_common(cfg) -> None:
         for name in ("lr", "momentum", "ns_steps", "nesterov"):
             value = getattr(cfg.optim.muon, name)
             if value != getattr(default, name):
-                notice(f"--muon.{name} {value} has no effect: the optimizer is {cfg.optim.name} "
+                notice(f"--optim.muon.{name} {value} has no effect: the optimizer is {cfg.optim.name} "
                        "(Muon is not supported yet)")
 
 
