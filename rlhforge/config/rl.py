@@ -411,7 +411,8 @@ class RLCkptConfig(CkptConfig):
     path: str = "./ckpt/checkpoints_ppo_ray"
     """Folder of resumable checkpoints (``step_N`` sub-folders)."""
     max_mem: float = float("inf")
-    """Disk budget in GB: no effect in RL (a finite value prints a notice); rotation uses ``max_num``."""
+    """Disk budget in GB for the resumable checkpoints: the oldest are removed while their total size
+    exceeds it (the newest and the best are kept), as well as beyond ``max_num``."""
     best_metric_key: str = ""
     """Eval metric that picks the best checkpoint (kept beside the newest ones, never rotated away).
     "": ``eval/pass1``; "none" disables."""

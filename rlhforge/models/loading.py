@@ -6,7 +6,19 @@ from pathlib import Path
 
 import torch
 
-from rlhforge.backend.device import default_attn_implementation
+
+def default_attn_implementation(requested: str, device: torch.device) -> str:
+    """``--ds.attn_implementation``: ``auto`` -> flash_attention_2 on CUDA where flash-attn imports, else sdpa."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            return "sdpa"
+    return "sdpa"
 
 
 def check_model_path(path: str) -> None:

@@ -481,7 +481,8 @@ class RLTrainer:
         protected = (f"step_{self.state.best_step}",) if self.state.best_step is not None else ()
         export = (lambda d: self.actor.call("save_hf", d)) if cfg.ckpt.save_hf else None
         path = save_checkpoint(self._ckpt_strategies(), cfg.ckpt.path, self.state.global_step, self.state.as_dict(),
-                               max_num=cfg.ckpt.max_num, protected=protected, export_hf=export)
+                               max_num=cfg.ckpt.max_num, protected=protected, export_hf=export,
+                               max_mem_gb=cfg.ckpt.max_mem)
         if self.state.best_step is not None:
             (Path(cfg.ckpt.path) / "best").write_text(json.dumps(
                 {"checkpoint": f"step_{self.state.best_step}", "metric": cfg.ckpt.best_metric_key or "eval/pass1",

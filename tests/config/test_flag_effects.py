@@ -51,7 +51,7 @@ RL_REFUSED = [
 RL_NOTICE = [
     # always in this project
     "--vllm.sync_backend", "--train.colocate_critic_reward", "--train.ema_beta", "--data.dataloader_num_workers",
-    "--ckpt.max_mem", "--reward.num_nodes", "--reward.num_gpus_per_node",
+    "--reward.num_nodes", "--reward.num_gpus_per_node",
     # DeepSpeed-only: when no worker group runs DeepSpeed (one process -> plain torch)
     "--ds.zero_stage", "--ds.zpg", "--ds.adam_offload", "--ds.overlap_comm", "--ds.grad_accum_dtype",
     # without --vllm.num_engines (the HF engine) / without Ray workers

@@ -65,6 +65,18 @@ def test_every_estimator_trains_end_to_end(tiny_model_dir, tmp_path, estimator):
     assert {"prompt", "response", "reward", "finish_reason"} <= set(samples[0])
 
 
+def test_checkpoints_rotate_by_disk_budget(tiny_model_dir, tmp_path):
+    """--ckpt.max_mem (GB): the oldest resumable checkpoints go while the total exceeds the budget; the
+    newest always stays. A budget of ~1 byte keeps only the newest; no budget keeps every one."""
+    reward = write_reward(tmp_path / "reward.py")
+    for name, extra, kept in (("tight", ["--ckpt.max_mem", "1e-9"], ["step_3"]),
+                              ("none", [], ["step_1", "step_2", "step_3"])):
+        out = tmp_path / name
+        assert rl_main(rl_args(tiny_model_dir, out, "--reward.remote_url", reward, "--ckpt.save_steps", "1",
+                               "--ckpt.max_num", "5", *extra, steps=3)) == 0
+        assert sorted(p.name for p in (out / "ckpts").glob("step_*")) == kept
+
+
 def test_resume_matches_the_straight_run(tiny_model_dir, tmp_path):
     """4 steps straight vs 2 steps, stop, resume in a new process, 2 more: identical per-step numbers."""
     reward = write_reward(tmp_path / "reward.py")
