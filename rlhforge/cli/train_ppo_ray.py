@@ -66,13 +66,11 @@ def check_environment(cfg: RLConfig) -> None:
 
 
 def check_reward_servers(cfg: RLConfig, log=lambda msg: print(msg, flush=True)) -> None:
-    """Set the reward servers' API key for this run and probe each HTTP reward server (before any model
-    is loaded). A server that does not answer within ``--reward.wait_for_server_s`` seconds, refuses
+    """Probe each HTTP reward server, with the run's API key (before any model is loaded). A server that does not answer within ``--reward.wait_for_server_s`` seconds, refuses
     the key or has no such path is a :class:`ConfigError` naming the URL."""
-    from rlhforge.rewards.client import API_KEY_ENV, RewardServerError, default_api_key, set_api_key
-    from rlhforge.rewards.client import wait_for_reward_servers
+    from rlhforge.rewards.client import API_KEY_ENV, RewardServerError, default_api_key, wait_for_reward_servers
 
-    set_api_key(cfg.reward.api_key)
+    key = cfg.reward.api_key or default_api_key()
     url = cfg.reward.remote_url or ""
     if url.startswith(("http://", "https://")):
         urls, require = [u.strip() for u in url.split(",") if u.strip()], "all"
@@ -86,11 +84,11 @@ def check_reward_servers(cfg: RLConfig, log=lambda msg: print(msg, flush=True)) 
     else:
         return
     try:
-        wait_for_reward_servers(urls, wait_s=cfg.reward.wait_for_server_s, require=require, log=log)
+        wait_for_reward_servers(urls, api_key=key, wait_s=cfg.reward.wait_for_server_s, require=require, log=log)
     except RewardServerError as err:
         hint = ""
         if "HTTP 401" in str(err) or "HTTP 403" in str(err):
-            hint = (f"; pass the server's key with --reward.api_key or ${API_KEY_ENV}" if default_api_key() is None
+            hint = (f"; pass the server's key with --reward.api_key or ${API_KEY_ENV}" if key is None
                     else "; check --reward.api_key / $" + API_KEY_ENV)
         elif "does not answer" in str(err) and cfg.reward.wait_for_server_s == 0:
             hint = "; start it first, or wait for it with --reward.wait_for_server_s SECONDS"
@@ -196,17 +194,10 @@ def run(cfg: RLConfig) -> Path:
     """Train and export; returns the output folder."""
     from rlhforge.distributed.groups import InProcessGroup
 
-    from rlhforge.rewards.client import set_api_key
-
-    try:
-        trainer = build_trainer(cfg)
-    except BaseException:
-        set_api_key(None)
-        raise
+    trainer = build_trainer(cfg)
     try:
         trainer.fit()
     finally:
-        set_api_key(None)  # the key belongs to this run only
         trainer.logger.close()
         getattr(trainer.executor, "close", lambda: None)()
         getattr(trainer.engine, "close", lambda: None)()  # vLLM engines: stop their engine cores

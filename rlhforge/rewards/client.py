@@ -19,9 +19,8 @@ when the server sends none (as OpenRLHF does).
 validate themselves, such as the RL trainer's ``RemoteReward``).
 
 API keys (``rlhforge serve-rm --api_key``): requests carry ``Authorization: Bearer KEY``, the header
-the server checks. The key is ``api_key=`` where given, else the process default: the one set with
-:func:`set_api_key` (``rlhforge rl`` sets ``--reward.api_key`` there), else the
-``RLHFORGE_REWARD_API_KEY`` environment variable. The key is never part of a message or log line.
+the server checks. The key is ``api_key=`` where given (``rlhforge rl`` passes ``--reward.api_key``),
+else the ``RLHFORGE_REWARD_API_KEY`` environment variable. The key is never part of a message or log line.
 
 :func:`wait_for_reward_servers` probes servers before a run loads its models (one empty request
 each; a refused key, a wrong path or silence is reported at once, or after waiting).
@@ -37,22 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 __all__ = ["RemoteRewardClient", "RewardResult", "RewardServerError", "post_json", "shard_bounds", "API_KEY_ENV",
-           "set_api_key", "default_api_key", "auth_headers", "wait_for_reward_servers"]
+           "default_api_key", "auth_headers", "wait_for_reward_servers"]
 
 #: environment variable with the reward servers' API key (used when no key is set explicitly)
 API_KEY_ENV = "RLHFORGE_REWARD_API_KEY"
-_process_api_key: str | None = None
-
-
-def set_api_key(key: str | None) -> None:
-    """Set (or, with None, clear) the process default API key of reward-server requests."""
-    global _process_api_key
-    _process_api_key = key or None
 
 
 def default_api_key() -> str | None:
-    """The key set with :func:`set_api_key`, else ``$RLHFORGE_REWARD_API_KEY``, else None."""
-    return _process_api_key or os.environ.get(API_KEY_ENV) or None
+    """``$RLHFORGE_REWARD_API_KEY``, else None."""
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def auth_headers(api_key: str | None = None) -> dict[str, str]:
@@ -203,7 +195,7 @@ async def post_json(url: str, payload: dict, timeout: float = 180.0, *, max_atte
     """POST one JSON payload to ``url`` with the client's retry policy; returns the decoded answer.
 
     For callers that shard and validate themselves (``rlhforge.rewards.sources.RemoteReward``).
-    ``headers=None`` sends the process default API key (:func:`auth_headers`). Raises
+    ``headers=None`` sends the environment's API key (:func:`auth_headers`). Raises
     :class:`RewardServerError` (naming ``url``) when every attempt fails or the answer is not JSON."""
     import httpx
 

@@ -133,11 +133,13 @@ class RemoteReward:
     ``endpoints`` is a list of URLs or an endpoint source with ``current()`` (e.g. an
     :class:`~rlhforge.rewards.endpoints.EndpointsFile`, consulted before every call)."""
 
-    def __init__(self, endpoints, timeout: float = 300.0, name: str | None = None):
+    def __init__(self, endpoints, timeout: float = 300.0, name: str | None = None, api_key: str | None = None):
+        from rlhforge.rewards.client import auth_headers
         from rlhforge.rewards.endpoints import StaticEndpoints
 
         self.endpoints = endpoints if hasattr(endpoints, "current") else StaticEndpoints(endpoints)
         self.timeout = timeout
+        self._headers = auth_headers(api_key)  # api_key None: $RLHFORGE_REWARD_API_KEY; never logged
         self.name = name or f"reward server {','.join(self.endpoints.current())}"
 
     async def __call__(self, batch: RewardBatch) -> dict:
@@ -160,35 +162,14 @@ class RemoteReward:
     async def _post(self, url: str, batch: RewardBatch, idx: list[int]) -> dict:
         payload = {"query": [batch.queries[i] for i in idx], "prompts": [batch.prompts[i] for i in idx],
                    "labels": [batch.labels[i] for i in idx]}
-        post = _http_post()
-        res = await post(url, payload, self.timeout)
+        from rlhforge.rewards.client import post_json
+
+        res = await post_json(url, payload, self.timeout, headers=self._headers)
         if not isinstance(res, dict) or "rewards" not in res:
             raise RewardError(f"{url} answered {str(res)[:200]!r}; expected JSON with 'rewards'")
         if len(res["rewards"]) != len(idx):
             raise RewardError(f"{url} returned {len(res['rewards'])} rewards for {len(idx)} samples")
         return res
-
-
-def _http_post():
-    """The async JSON POST used for reward servers: the project's reward client when present."""
-    try:
-        from rlhforge.rewards import client as reward_client  # the reward-server engineer's client
-
-        post = getattr(reward_client, "post_json", None)
-        if post is not None:
-            return post
-    except ImportError:
-        pass
-
-    async def post(url: str, payload: dict, timeout: float) -> dict:
-        import httpx
-
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            response = await client.post(url, json=payload)
-            response.raise_for_status()
-            return response.json()
-
-    return post
 
 
 class RewardModelSource:
@@ -236,12 +217,12 @@ def build_reward_source(cfg, *, device=None, pad_token_id: int | None = None):
         if url.endswith(".py"):
             return FunctionReward.from_file(url)
         if url.startswith(("http://", "https://")):
-            return RemoteReward([u.strip() for u in url.split(",") if u.strip()])
+            return RemoteReward([u.strip() for u in url.split(",") if u.strip()], api_key=cfg.reward.api_key)
         if url.startswith("endpoints:"):
             from rlhforge.rewards.endpoints import EndpointsFile
 
             path = url.split(":", 1)[1]
-            return RemoteReward(EndpointsFile(path), name=f"reward servers listed in {path}")
+            return RemoteReward(EndpointsFile(path), name=f"reward servers listed in {path}", api_key=cfg.reward.api_key)
         raise RewardError(
             f"--reward.remote_url {url!r}: expected a .py file with reward_func, an http(s):// URL, "
             "endpoints:FILE or builtin:NAME"

@@ -16,7 +16,9 @@ from rlhforge.cli.train_ppo_ray import main as rl_main
 from rlhforge.config.parsing import ConfigError
 from rlhforge.config.serve_rm import ServeRewardConfig, ServeRMConfig
 from rlhforge.rewards import client
-from rlhforge.rewards.client import RemoteRewardClient, post_json, set_api_key
+from rlhforge.rewards.client import RemoteRewardClient, post_json
+from rlhforge.rewards.sources import RemoteReward
+from rlhforge.rewards.base import RewardBatch
 from rlhforge.rewards.server import RewardScorer, create_app, start_server_thread
 from tests.flag_tables import refused_line
 from tests.rl.helpers import metrics, rl_args
@@ -27,11 +29,9 @@ KEY = "s3cret-Key-7f3a9"
 @pytest.fixture(autouse=True)
 def clean_key(monkeypatch):
     monkeypatch.delenv(client.API_KEY_ENV, raising=False)
-    set_api_key(None)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
-    set_api_key(None)
     torch.set_num_threads(n)
 
 
@@ -95,12 +95,15 @@ def test_client_key_sources(server):
     with pytest.raises(client.RewardServerError, match="HTTP 401"):
         RemoteRewardClient(server.url, max_attempts=1).get_rewards_sync(["x"])
     assert len(RemoteRewardClient(server.url, api_key=KEY).get_rewards_sync(["x", "y"]).rewards) == 2
-    set_api_key(KEY)  # the process default (what rlhforge rl sets from --reward.api_key)
-    assert client.auth_headers() == {"Authorization": f"Bearer {KEY}"}
-    assert len(RemoteRewardClient(server.url).get_rewards_sync(["x"]).rewards) == 1
+    assert client.auth_headers(KEY) == {"Authorization": f"Bearer {KEY}"}
     assert client.auth_headers("") == {}  # an explicit empty key sends none
-    set_api_key(None)
-    assert client.auth_headers() == {}
+    assert client.auth_headers() == {}  # no key in the environment
+    # the RL trainer's reward source carries the run's key explicitly (nothing process-wide)
+    batch = RewardBatch(queries=["a b", "c"], prompts=["a", "c"], responses=["b", ""], labels=[None, None],
+                        datasources=[None, None])
+    assert len(asyncio.run(RemoteReward([server.url], api_key=KEY)(batch))["rewards"]) == 2
+    with pytest.raises(client.RewardServerError, match="HTTP 401"):
+        asyncio.run(RemoteReward([server.url], timeout=5.0)(batch))
     assert KEY not in repr(parse_rl_args(["--actor.model_name_or_path", "m", "--data.prompt_dataset", "x",
                                           "--reward.remote_url", server.url, "--reward.api_key", KEY,
                                           "--rollout.batch_size", "8", "--train.batch_size", "8"]))
