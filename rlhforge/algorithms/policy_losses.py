@@ -107,7 +107,8 @@ def ppo_loss(
 
     Metrics: ``clip_frac`` (tokens with ``s2 < s1``), ``dual_clip_frac`` (tokens where the dual
     bound was applied), ``approx_kl`` (k3 estimate of KL(pi_old || pi): mean of
-    ``(rho - 1) - log rho``), ``ratio_mean``.
+    ``(rho - 1) - log rho``), ``ppo_kl`` (OpenRLHF's: the k1 mean of ``old_logp - logp``, signed),
+    ``ratio_mean``.
     """
     m, log_ratio, adv, zero = _prepare(log_probs, old_log_probs, advantages, mask)
     lo, hi = _clip_bounds(eps_low, eps_high)
@@ -118,6 +119,7 @@ def ppo_loss(
         "clip_frac": masked_metric(clipped, m),
         "dual_clip_frac": masked_metric(dual, m),
         "approx_kl": _approx_kl(log_ratio.detach(), m),
+        "ppo_kl": masked_metric(-log_ratio.detach(), m),
         "ratio_mean": masked_metric(ratio, m),
     }
     return loss, metrics
@@ -142,7 +144,7 @@ def gspo_loss(
     ``seq_mean_token_mean`` aggregation the gradient is exactly GSPO's ``A_i grad s_i``. The
     PPO clip (defaults 3e-4 / 4e-4, the paper's) and optional dual clip apply to ``s_it``.
 
-    Metrics: ``clip_frac`` (token-weighted), ``approx_kl`` (token k3 as in ``ppo_loss``),
+    Metrics: ``clip_frac`` (token-weighted), ``approx_kl`` (token k3 as in ``ppo_loss``), ``ppo_kl``,
     ``seq_ratio_mean`` (mean of ``s_i`` over sequences with action tokens).
     """
     m, log_ratio, adv, zero = _prepare(log_probs, old_log_probs, advantages, mask)
@@ -158,6 +160,7 @@ def gspo_loss(
         "clip_frac": masked_metric(clipped, m),
         "dual_clip_frac": masked_metric(dual, m),
         "approx_kl": _approx_kl(log_ratio.detach(), m),
+        "ppo_kl": masked_metric(-log_ratio.detach(), m),
         "seq_ratio_mean": masked_metric(seq_log_ratio.exp(), has_tokens),
     }
     return loss, metrics

@@ -44,6 +44,8 @@ def test_ppo_by_hand():
     assert m["dual_clip_frac"].item() == 0.0
     # approx_kl = mean((rho - 1) - ln rho) = (0.094535 + 0.193147 + 0.004690 + 0) / 4 = 0.073093
     assert m["approx_kl"].item() == pytest.approx(0.0730930, abs=1e-6)
+    # ppo_kl (OpenRLHF's) = mean(-ln rho) = -(0.405465 - 0.693147 + 0.095310 + 0) / 4 = 0.048093
+    assert m["ppo_kl"].item() == pytest.approx(0.0480930, abs=1e-6)
     loss.sum().backward()
     # clipped tokens have zero gradient; otherwise d(-rho A)/dlogp = -rho A
     torch.testing.assert_close(lp.grad, t([[0.0, 0.0, 1.1, -2.0]]))
