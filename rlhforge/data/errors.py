@@ -18,7 +18,8 @@ class DataError(ValueError):
 
     Attributes (``None`` when not applicable): ``source`` (file path, hub id or builtin name),
     ``index`` (0-based record index within ``source``), ``line`` (1-based line number),
-    ``field`` (the key in the record).
+    ``field`` (the key in the record), ``offset`` (0-based byte offset in the file, for bytes that
+    are not UTF-8).
     """
 
     def __init__(
@@ -31,6 +32,7 @@ class DataError(ValueError):
         field: str | None = None,
     ):
         self.source, self.index, self.line, self.field = source, index, line, field
+        self.offset: int | None = None
         self.reason = message
         prefix = self.where(source, index=index, line=line, field=field)
         super().__init__(f"{prefix}: {message}" if prefix else message)

@@ -1,6 +1,15 @@
 """Load datasets from a comma-separated spec and mix them.
 
-``load_dataset_spec("a.jsonl,b.parquet", probs="0.7,0.3")`` returns one ``datasets.Dataset``.
+``load_dataset_spec("a.jsonl,b.parquet", probs="0.7,0.3")`` returns one
+:class:`~rlhforge.data.recordset.Records` (a list of plain dicts).
+
+Values are read exactly as written: JSON Lines and JSON files are parsed record by record with
+Python's ``json`` module and CSV files with the ``csv`` module (:mod:`rlhforge.data.readers`), so a
+column may mix strings and numbers and nothing is re-typed (``"0.50"`` stays the string
+``"0.50"``, ``7`` stays ``7``, ``"true"`` stays ``"true"``, ``null`` is ``None``; every CSV value is
+the string in the cell). Parquet, Arrow and ``datasets`` folders keep their own schema's values
+(read with ``datasets``, then turned into dicts). A byte that is not UTF-8 is a ``DataError``
+naming the file, line and byte offset.
 
 Entries of ``spec`` (comma-separated; entries themselves cannot contain commas):
 
@@ -20,42 +29,48 @@ Any entry may end in ``@split`` (``path@test``, ``builtin:arithmetic@test``); wi
 another explicit split is an error. If the whole entry (with its ``@``) exists as a path, it is
 taken as that path.
 
-Provenance: every record gets two extra columns, ``_source`` (the file path as written in the
+Provenance: every record gets two extra keys, ``_source`` (the file path as written in the
 spec, ``path/inside/folder.jsonl`` for folders of files, ``builtin:NAME@split``, or the hub id
-with its split) and ``_index`` (0-based record index within that source). They survive mixing and
-truncation, so later stages can say "data/train.jsonl, record 17, field 'output'"
-(:class:`rlhforge.data.errors.DataError`). Existing columns with these names are replaced.
+with its split) and ``_index`` (0-based record index within that source), and records of
+JSON Lines, JSON and CSV files a third, ``_line`` (the 1-based line where the record starts).
+They survive mixing and truncation, so later stages can say "data/train.jsonl, record 17, field
+'output': ... [line 18]" (:class:`rlhforge.data.errors.DataError`). Existing keys with these names
+are replaced.
 
-Mixing: without ``probs`` the datasets are concatenated in spec order. With ``probs`` they are
-interleaved by ``datasets.interleave_datasets(..., probabilities, seed,
-stopping_strategy="all_exhausted")``: each record is drawn from dataset *i* with probability
-``p_i`` (a seeded ``numpy`` generator, so the same seed gives the same order) until every dataset
-has been used up at least once; smaller datasets are cycled (oversampled) meanwhile. Datasets
-with probability 0 are left out. The order is otherwise kept: the trainer shuffles.
-``max_samples`` then keeps the first ``max_samples`` records.
+Mixing: without ``probs`` the datasets are concatenated in spec order (a key one record lacks stays
+absent in that record). With ``probs`` they are interleaved the way
+``datasets.interleave_datasets(..., probabilities, seed, stopping_strategy="all_exhausted")``
+does it (same order for the same seed): each record is drawn from dataset *i* with probability
+``p_i`` (a seeded ``numpy`` generator) until every dataset has been used up at least once; smaller
+datasets are cycled (oversampled) meanwhile. Datasets with probability 0 are left out. The order
+is otherwise kept: the trainer shuffles. ``max_samples`` then keeps the first ``max_samples``
+records.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhforge.data.errors import DataError
+from rlhforge.data.recordset import Records
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
-__all__ = ["load_dataset_spec", "load_train_and_eval", "parse_probs", "SUPPORTED_EXTENSIONS", "SOURCE_COLUMN", "INDEX_COLUMN"]
+__all__ = ["load_dataset_spec", "load_train_and_eval", "parse_probs", "SUPPORTED_EXTENSIONS", "SOURCE_COLUMN",
+           "INDEX_COLUMN", "LINE_COLUMN", "Records"]
 
 logger = logging.getLogger(__name__)
 
 SOURCE_COLUMN = "_source"
 INDEX_COLUMN = "_index"
+LINE_COLUMN = "_line"
+_PROVENANCE = (SOURCE_COLUMN, INDEX_COLUMN, LINE_COLUMN)
 
-#: file extension -> ``datasets`` builder name
+#: file extension -> reader (``json``/``csv``: rlhforge.data.readers; ``parquet``/``arrow``: ``datasets``)
 SUPPORTED_EXTENSIONS: dict[str, str] = {
     ".jsonl": "json",
     ".json": "json",
@@ -82,7 +97,7 @@ def load_dataset_spec(
     split: str = "train",
     max_samples: int | None = None,
     seed: int = 42,
-) -> "datasets.Dataset":
+) -> Records:
     """Load and mix the datasets named in ``spec`` (see the module docstring).
 
     Args:
@@ -96,12 +111,13 @@ def load_dataset_spec(
         seed: seed of the mixture sampler.
 
     Returns:
-        A ``datasets.Dataset`` with the union of the entries' columns plus ``_source`` and
-        ``_index``.
+        :class:`Records`: every record as a dict with its values as read, plus ``_source``,
+        ``_index`` (and ``_line`` for line-based files).
 
     Raises:
-        DataError: missing or empty file, malformed JSON line (file and line number), unknown
-            extension, unknown split, column types that differ between entries, bad ``probs``.
+        DataError: missing or empty file, malformed JSON line or CSV row (file and line number), a
+            byte that is not UTF-8 (file, line, byte offset), unknown extension, unknown split, bad
+            ``probs``.
     """
     entries = [e.strip() for e in (spec or "").split(",")]
     if not spec or not any(entries):
@@ -112,35 +128,44 @@ def load_dataset_spec(
         raise DataError(f"max_samples must be >= 1 (got {max_samples})")
 
     probabilities = parse_probs(probs, entries) if probs is not None else None
-    loaded = [_load_entry(entry, split) for entry in entries]
-    names = [name for name, _ in loaded]
-    parts = [ds for _, ds in loaded]
+    parts = [ds for _, ds in (_load_entry(entry, split) for entry in entries)]
 
     if probabilities is not None and len(parts) > 1:
         keep = [i for i, p in enumerate(probabilities) if p > 0]
-        _check_features_align([parts[i] for i in keep], [names[i] for i in keep])
-        import datasets
-
         if len(keep) == 1:
             dataset = parts[keep[0]]
         else:
-            dataset = datasets.interleave_datasets(
-                [parts[i] for i in keep],
-                probabilities=[probabilities[i] for i in keep],
-                seed=seed,
-                stopping_strategy="all_exhausted",
-            )
+            dataset = _interleave([parts[i] for i in keep], [probabilities[i] for i in keep], seed)
     elif len(parts) > 1:
-        _check_features_align(parts, names)
-        import datasets
-
-        dataset = datasets.concatenate_datasets(parts)
+        dataset = Records.concatenate(parts)
     else:
         dataset = parts[0]
 
     if max_samples is not None and len(dataset) > max_samples:
         dataset = dataset.select(range(max_samples))
     return dataset
+
+
+def _interleave(parts: list[Records], probabilities: list[float], seed: int) -> Records:
+    """``datasets.interleave_datasets(parts, probabilities, seed, stopping_strategy="all_exhausted")``
+    on plain records: the same seeded draws (numpy ``default_rng(seed).choice`` in blocks of 1000),
+    so the same order; stops once every part has been drawn ``len(part)`` times, cycling the others."""
+    import numpy as np
+
+    lengths = [len(p) for p in parts]
+    rng = np.random.default_rng(seed)
+    current, exhausted = [0] * len(parts), [False] * len(parts)
+    rows: list[dict] = []
+    while not all(exhausted):
+        for src in rng.choice(len(parts), size=1000, p=probabilities):
+            if all(exhausted):
+                break
+            src = int(src)
+            rows.append(parts[src][current[src]])
+            current[src] += 1
+            if current[src] >= lengths[src]:
+                exhausted[src], current[src] = True, 0
+    return Records(rows)
 
 
 def load_train_and_eval(data_cfg, eval_cfg, seed: int):
@@ -194,7 +219,7 @@ def _split_entry(entry: str) -> tuple[str, str | None]:
     return path, split
 
 
-def _load_entry(entry: str, default_split: str) -> tuple[str, "datasets.Dataset"]:
+def _load_entry(entry: str, default_split: str) -> tuple[str, Records]:
     if entry.startswith("builtin:"):
         return _load_builtin(entry, default_split)
     path_str, explicit_split = _split_entry(entry)
@@ -206,7 +231,7 @@ def _load_entry(entry: str, default_split: str) -> tuple[str, "datasets.Dataset"
                 f"{path_str} is a single file, which has one split; '@{explicit_split}' only applies to "
                 "datasets folders, folders of data files, built-in datasets and hub ids"
             )
-        return path_str, _with_provenance(_load_file(path, path_str), path_str)
+        return path_str, _load_file(path, path_str)
     if path.is_dir():
         return _load_folder(path, path_str, split, explicit_split is not None)
     if _looks_local(path_str):
@@ -235,40 +260,50 @@ def _looks_local(path: str) -> bool:
     )
 
 
-def _with_provenance(ds: "datasets.Dataset", source: str) -> "datasets.Dataset":
-    drop = [c for c in (SOURCE_COLUMN, INDEX_COLUMN) if c in ds.column_names]
-    if drop:
-        ds = ds.remove_columns(drop)
-    import numpy as np
-
-    n = len(ds)
-    ds = ds.add_column(SOURCE_COLUMN, [source] * n)
-    return ds.add_column(INDEX_COLUMN, np.arange(n, dtype=np.int64))
+def _with_provenance(rows, source: str, lines: list[int | None] | None = None) -> Records:
+    """Records with ``_source``/``_index`` (and ``_line`` where ``lines`` gives it) set."""
+    out = []
+    for i, row in enumerate(rows):
+        rec = {k: v for k, v in row.items() if k not in _PROVENANCE}
+        rec[SOURCE_COLUMN], rec[INDEX_COLUMN] = source, i
+        if lines is not None and lines[i] is not None:
+            rec[LINE_COLUMN] = lines[i]
+        out.append(rec)
+    return Records(out)
 
 
 # --------------------------------------------------------------------------------------------
 # files
 
 
-def _load_file(path: Path, name: str) -> "datasets.Dataset":
-    """Read one local data file (no provenance columns yet)."""
+def _load_file(path: Path, name: str) -> Records:
+    """Read one local data file, with provenance (``name`` is its ``_source``)."""
     ext = _extension(str(path))
     if ext not in SUPPORTED_EXTENSIONS:
         raise DataError(_unsupported(ext), source=name)
     if path.stat().st_size == 0 or (ext in (".jsonl", ".json", ".csv") and not _has_text(path)):
         raise DataError("file is empty", source=name)
+    builder = SUPPORTED_EXTENSIONS[ext]
+    if builder in ("json", "csv"):
+        from rlhforge.data.readers import read_csv, read_json, read_jsonl
+
+        reader = read_csv if builder == "csv" else read_json if ext == ".json" else read_jsonl
+        try:
+            pairs = reader(path, name)
+        except OSError as err:
+            raise DataError(f"could not read the file: {err}", source=name) from err
+        if not pairs:
+            raise DataError("file has no records", source=name)
+        return _with_provenance([r for _, r in pairs], name, [line for line, _ in pairs])
     import datasets
 
-    builder = SUPPORTED_EXTENSIONS[ext]
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as err:  # noqa: BLE001 - re-raised with the file named
-        if builder == "json":
-            _diagnose_json(path, name)  # raises a precise DataError when it finds the problem
         raise DataError(f"could not read {builder} file: {_short(err)}", source=name) from err
     if len(ds) == 0:
         raise DataError("file has no records", source=name)
-    return ds
+    return _with_provenance(ds.to_list(), name)
 
 
 def _has_text(path: Path) -> bool:
@@ -290,58 +325,14 @@ def _short(err: BaseException) -> str:
     return text if len(text) < 500 else text[:497] + "..."
 
 
-_JSON_KIND = {str: "string", int: "number", float: "number", bool: "boolean", list: "list", dict: "object"}
-
-
-def _diagnose_json(path: Path, name: str) -> None:
-    """Find why a JSON/JSONL file failed to load; raise a DataError naming the line, else return."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    stripped = text.lstrip()
-    if path.suffix.lower() == ".json" and stripped.startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DataError(f"malformed JSON: {err.msg} (column {err.colno})", source=name, line=err.lineno) from None
-        lines = [(None, r) for r in records]
-    else:
-        lines = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                lines.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise DataError(
-                    f"malformed JSON line: {err.msg} (column {err.colno})", source=name, line=lineno
-                ) from None
-    first_kind: dict[str, tuple[str, int | None, int]] = {}
-    for index, (lineno, record) in enumerate(lines):
-        if not isinstance(record, dict):
-            raise DataError(
-                f"expected a JSON object per record, got {_JSON_KIND.get(type(record), type(record).__name__)}",
-                source=name, line=lineno, index=None if lineno else index,
-            )
-        for key, value in record.items():
-            if value is None:
-                continue
-            kind = _JSON_KIND.get(type(value), type(value).__name__)
-            seen = first_kind.setdefault(key, (kind, lineno, index))
-            if seen[0] != kind:
-                where = f"line {seen[1]}" if seen[1] else f"record {seen[2]}"
-                raise DataError(
-                    f"is a {kind} here but a {seen[0]} on {where}; a column must have one type",
-                    source=name, line=lineno, index=None if lineno else index, field=key,
-                )
-
-
 # --------------------------------------------------------------------------------------------
 # folders
 
 
-def _load_folder(path: Path, name: str, split: str, explicit: bool) -> tuple[str, "datasets.Dataset"]:
-    import datasets
-
+def _load_folder(path: Path, name: str, split: str, explicit: bool) -> tuple[str, Records]:
     if any((path / marker).exists() for marker in _SAVE_TO_DISK_MARKERS):
+        import datasets
+
         try:
             loaded = datasets.load_from_disk(str(path))
         except Exception as err:  # noqa: BLE001
@@ -356,7 +347,7 @@ def _load_folder(path: Path, name: str, split: str, explicit: bool) -> tuple[str
             ds, source = loaded, name
         if len(ds) == 0:
             raise DataError("dataset is empty", source=source)
-        return source, _with_provenance(ds, source)
+        return source, _with_provenance(ds.to_list(), source)
 
     files = sorted(p for p in path.rglob("*") if p.is_file() and _extension(str(p)) in SUPPORTED_EXTENSIONS)
     files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)]
@@ -377,15 +368,11 @@ def _load_folder(path: Path, name: str, split: str, explicit: bool) -> tuple[str
         raise DataError(
             f"folder mixes data formats ({', '.join(sorted(exts))}); use one format per folder", source=name
         )
-    parts, sources = [], []
+    parts = []
     for p in chosen:
         source = str(Path(name) / p.relative_to(path))
-        parts.append(_with_provenance(_load_file(p, source), source))
-        sources.append(source)
-    if len(parts) == 1:
-        return name, parts[0]
-    _check_features_align(parts, sources)
-    return name, datasets.concatenate_datasets(parts)
+        parts.append(_load_file(p, source))
+    return name, Records.concatenate(parts)
 
 
 def _file_in_split(rel: Path, split: str) -> bool:
@@ -401,9 +388,7 @@ def _file_in_split(rel: Path, split: str) -> bool:
 # built-ins and hub
 
 
-def _load_builtin(entry: str, default_split: str) -> tuple[str, "datasets.Dataset"]:
-    import datasets
-
+def _load_builtin(entry: str, default_split: str) -> tuple[str, Records]:
     from rlhforge.data.builtin import generate_builtin, parse_builtin_spec
 
     spec = parse_builtin_spec(entry)
@@ -413,10 +398,10 @@ def _load_builtin(entry: str, default_split: str) -> tuple[str, "datasets.Datase
     records = generate_builtin(spec.name, split=split, n=n, seed=seed, **params)
     query = "&".join(f"{k}={v}" for k, v in sorted(spec.params.items()))
     source = f"builtin:{spec.name}{'?' + query if query else ''}@{split}"
-    return source, _with_provenance(datasets.Dataset.from_list(records), source)
+    return source, _with_provenance(records, source)
 
 
-def _load_hub(name: str, split: str) -> tuple[str, "datasets.Dataset"]:
+def _load_hub(name: str, split: str) -> tuple[str, Records]:
     import datasets
 
     try:
@@ -429,33 +414,4 @@ def _load_hub(name: str, split: str) -> tuple[str, "datasets.Dataset"]:
     source = f"{name}@{split}"
     if len(ds) == 0:
         raise DataError("dataset is empty", source=source)
-    return source, _with_provenance(ds, source)
-
-
-# --------------------------------------------------------------------------------------------
-# mixing
-
-
-def _check_features_align(parts: list["datasets.Dataset"], names: list[str]) -> None:
-    """Columns shared by several datasets must have one type (missing columns become None)."""
-    seen: dict[str, tuple[object, str]] = {}
-    for ds, name in zip(parts, names):
-        for column, feature in ds.features.items():
-            if _is_null_feature(feature):
-                continue
-            if column not in seen:
-                seen[column] = (feature, name)
-            elif seen[column][0] != feature:
-                raise DataError(
-                    f"column {column!r} has type {_feature_str(feature)} in {name} but "
-                    f"{_feature_str(seen[column][0])} in {seen[column][1]}; make the types agree before mixing"
-                )
-
-
-def _is_null_feature(feature) -> bool:
-    return getattr(feature, "dtype", None) == "null"
-
-
-def _feature_str(feature) -> str:
-    dtype = getattr(feature, "dtype", None)
-    return dtype if isinstance(dtype, str) else repr(feature)
+    return source, _with_provenance(ds.to_list(), source)

@@ -29,7 +29,8 @@ the prompt as the template marks them (ChatML: the reply and its ``<|im_end|>``)
 ends at the end of the last assistant turn (template text after it, such as ChatML's newline, is
 dropped, so the last token is the end-of-turn token).
 
-Margin: with ``use_margin`` the record's ``margin_key`` field (a number) is required and stored;
+Margin: with ``use_margin`` the record's ``margin_key`` field (a number, or a string that spells one, as
+CSV cells are) is required and stored;
 otherwise the field is ignored and the margin is 0.
 
 Truncation: each sequence keeps its first ``max_len`` tokens. With ``force_eos=True`` (reward
@@ -43,6 +44,7 @@ Bad records raise :class:`rlhforge.data.errors.DataError` naming the file, recor
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -175,12 +177,22 @@ def preference_sample_from_record(
         p_len = len(prompt_ids)
     margin = 0.0
     if use_margin:
-        value = get_field(record, margin_key, ref)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ref.error(f"expected a number (the pair's margin), got {describe_value(value)}", field=margin_key)
-        margin = float(value)
+        margin = _margin(get_field(record, margin_key, ref), ref, margin_key)
     return PreferenceSample(c_ids, c_mask, r_ids, r_mask, margin=margin, prompt_len=p_len,
                             source=ref.source, index=ref.index)
+
+
+def _margin(value, ref: RecordRef, key: str) -> float:
+    """A number, or a string that spells one (CSV cells are strings); finite."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+        raise ref.error(f"expected a finite number (the pair's margin), got {describe_value(value)}", field=key)
+    return float(number)
 
 
 def _plain_sequence(tokenizer, prompt_ids: list[int], response: str) -> tuple[list[int], list[int]]:

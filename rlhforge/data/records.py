@@ -1,10 +1,12 @@
 """Typed access to fields of a data record, with errors that say where.
 
 Used by every sample builder (SFT, reward model, DPO, RL prompts) so that a bad record always
-fails the same way: ``DataError("data/train.jsonl, record 17, field 'output': ...")``.
-A record's location comes from the ``_source``/``_index`` columns that
+fails the same way: ``DataError("data/train.jsonl, record 17, field 'output': ... [line 18]")``.
+A record's location comes from the ``_source``/``_index``/``_line`` keys that
 :func:`rlhforge.data.loading.load_dataset_spec` adds; records from elsewhere (a plain list, a
-``datasets.Dataset`` built in code) are located as ``<dataset>`` and their position.
+``datasets.Dataset`` built in code) are located as ``<dataset>`` and their position. The line
+(JSON Lines, JSON and CSV files) is appended to the message as ``[line N]``, so the message starts
+with the same ``source, record N, field 'x':`` prefix whatever the format.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rlhforge.data.errors import DataError, describe_value
-from rlhforge.data.loading import INDEX_COLUMN, SOURCE_COLUMN
+from rlhforge.data.loading import INDEX_COLUMN, LINE_COLUMN, SOURCE_COLUMN
 
 __all__ = ["RecordRef", "record_ref", "get_field", "get_text", "get_messages", "MESSAGE_ROLES"]
 
@@ -32,15 +34,20 @@ _FORMAT_HINTS = (
 
 
 class RecordRef:
-    """Where a record came from: ``source`` (file, builtin or hub id) and 0-based ``index``."""
+    """Where a record came from: ``source`` (file, builtin or hub id), 0-based ``index`` and, for
+    line-based files, the 1-based ``line`` where it starts."""
 
-    __slots__ = ("source", "index")
+    __slots__ = ("source", "index", "line")
 
-    def __init__(self, source: str, index: int):
-        self.source, self.index = source, index
+    def __init__(self, source: str, index: int, line: int | None = None):
+        self.source, self.index, self.line = source, index, line
 
     def error(self, message: str, field: str | None = None) -> DataError:
-        return DataError(message, source=self.source, index=self.index, field=field)
+        if self.line is not None:
+            message = f"{message} [line {self.line}]"
+        err = DataError(message, source=self.source, index=self.index, field=field)
+        err.line = self.line
+        return err
 
     def __repr__(self) -> str:
         return DataError.where(self.source, index=self.index)
@@ -50,11 +57,13 @@ def record_ref(record: Mapping[str, Any], position: int) -> RecordRef:
     """The record's provenance (``_source``/``_index`` columns), else ``<dataset>`` and ``position``."""
     source = record.get(SOURCE_COLUMN)
     index = record.get(INDEX_COLUMN)
-    return RecordRef(str(source) if source is not None else "<dataset>", int(index) if index is not None else position)
+    line = record.get(LINE_COLUMN) if source is not None else None
+    return RecordRef(str(source) if source is not None else "<dataset>", int(index) if index is not None else position,
+                     int(line) if line is not None else None)
 
 
 def _user_keys(record: Mapping[str, Any]) -> list[str]:
-    return [k for k in record if k not in (SOURCE_COLUMN, INDEX_COLUMN)]
+    return [k for k in record if k not in (SOURCE_COLUMN, INDEX_COLUMN, LINE_COLUMN)]
 
 
 def get_field(record: Mapping[str, Any], key: str, ref: RecordRef) -> Any:

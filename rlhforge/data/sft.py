@@ -50,6 +50,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from rlhforge.data.errors import describe_value
 from rlhforge.data.records import RecordRef, check_truncation_drops, get_field, get_messages, get_text, record_ref
 from rlhforge.data.templates import (
     check_input_template,
@@ -209,6 +210,9 @@ def _conversation(record, ref: RecordRef, input_key: str, output_key: str | None
     if isinstance(value, list):
         messages = get_messages(record, input_key, ref, value=value)
         origins = [f"{input_key}[{i}]" for i in range(len(messages))]
+    elif not isinstance(value, str):
+        raise ref.error(f"expected a list of {{'role', 'content'}} messages (or a string: one user message), got "
+                        f"{describe_value(value)}", field=input_key)
     else:
         messages = [{"role": "user", "content": get_text(record, input_key, ref, allow_empty=True)}]
         origins = [input_key]

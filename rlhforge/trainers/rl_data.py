@@ -23,26 +23,52 @@ class Prompt:
     """The record's prompt field as given (for agents that render their own conversation)."""
 
 
+def _prompt_text(record, ref, tokenizer, data_cfg) -> tuple[Any, str]:
+    """(the prompt field as given, the text the model sees); a wrong type names the record and field."""
+    from rlhforge.data.errors import describe_value
+    from rlhforge.data.records import get_field, get_messages
+    from rlhforge.data.templates import format_prompt
+
+    key = data_cfg.input_key
+    raw = get_field(record, key, ref)
+    if isinstance(raw, list):
+        if not data_cfg.apply_chat_template:
+            raise ref.error("is a list of messages; set --data.apply_chat_template to render it with the chat "
+                            "template", field=key)
+        prompt: Any = get_messages(record, key, ref, value=raw)
+    elif isinstance(raw, str):
+        if not raw.strip():
+            raise ref.error("is an empty prompt", field=key)
+        prompt = raw
+    else:
+        what = "a string or a list of messages" if data_cfg.apply_chat_template else "a string"
+        raise ref.error(f"expected {what} (the prompt), got {describe_value(raw)}", field=key)
+    try:
+        text = format_prompt(tokenizer, prompt, input_template=data_cfg.input_template,
+                             apply_chat_template=data_cfg.apply_chat_template)
+    except (ValueError, TypeError) as err:
+        raise ref.error(f"cannot be rendered as a prompt: {err}", field=key) from None
+    return raw, text
+
+
 def _to_prompts(dataset, tokenizer, data_cfg, prompt_max_len: int, what: str) -> list[Prompt]:
+    """Records -> prompts. The label is the record's ``label_key`` value exactly as read (a string stays
+    that string, a number that number, ``null`` is ``None``); a record without the key is an error."""
     from rlhforge.data.records import get_field, record_ref
-    from rlhforge.data.templates import encode_prompt, format_prompt
+    from rlhforge.data.templates import encode_prompt
 
     prompts, skipped = [], 0
     for pos, record in enumerate(dataset):
         ref = record_ref(record, pos)
-        raw = get_field(record, data_cfg.input_key, ref)
-        if isinstance(raw, str) and not raw.strip():
-            raise ref.error("is an empty prompt", field=data_cfg.input_key)
-        try:
-            text = format_prompt(tokenizer, raw, input_template=data_cfg.input_template,
-                                 apply_chat_template=data_cfg.apply_chat_template)
-        except ValueError as err:
-            raise ref.error(str(err), field=data_cfg.input_key) from None
+        raw, text = _prompt_text(record, ref, tokenizer, data_cfg)
         ids = encode_prompt(tokenizer, text, chat=data_cfg.apply_chat_template)
         if len(ids) > prompt_max_len:
             skipped += 1
             continue
-        label = get_field(record, data_cfg.label_key, ref) if data_cfg.label_key else None
+        label = None
+        if data_cfg.label_key:
+            label = record[data_cfg.label_key] if data_cfg.label_key in record else get_field(
+                record, data_cfg.label_key, ref)  # get_field raises "is missing", naming the record's keys
         source = record.get(data_cfg.datasource_key)
         prompts.append(Prompt(ids, label, None if source is None else str(source), len(prompts), raw))
     if skipped:

@@ -53,9 +53,11 @@ def _write_all_formats(tmp_path):
 
 def test_every_format_gives_the_same_records(tmp_path):
     paths = _write_all_formats(tmp_path)
+    as_text = [{k: str(v) for k, v in r.items()} for r in RECORDS]
     for kind, path in paths.items():
         ds = load_dataset_spec(str(path))
-        assert _user(ds) == RECORDS, kind
+        # CSV cells are strings, read as written (no type guessing); every other format keeps its types
+        assert _user(ds) == (as_text if kind == "csv" else RECORDS), kind
         assert ds["_index"] == ([0, 1, 0] if kind == "folder" else [0, 1, 2]), kind
     assert set(load_dataset_spec(str(paths["jsonl"]))["_source"]) == {str(paths["jsonl"])}
     folder_sources = load_dataset_spec(str(paths["folder"]))["_source"]
@@ -81,7 +83,8 @@ def test_concatenation_keeps_order_and_max_samples(tmp_path):
     b.write_text("".join(json.dumps({"x": f"b{i}", "y": i}) + "\n" for i in range(2)))
     ds = load_dataset_spec(f"{a}, {b}")
     assert ds["x"] == ["a0", "a1", "a2", "b0", "b1"]
-    assert ds["y"] == [None, None, None, 0, 1]  # columns missing in one file become None
+    assert ds["y"] == [None, None, None, 0, 1]  # column access: None where a record lacks the key
+    assert "y" not in ds[0]  # the record itself keeps exactly its own keys
     assert ds["_index"] == [0, 1, 2, 0, 1]
     assert load_dataset_spec(f"{a},{b}", max_samples=4)["x"] == ["a0", "a1", "a2", "b0"]
 
@@ -157,12 +160,91 @@ def test_file_errors_name_the_file_and_line(tmp_path):
         load_dataset_spec(f"{bad}@test")
 
 
-def test_mixing_files_with_conflicting_column_types(tmp_path):
+def test_mixing_files_with_different_value_types_keeps_each_value(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text(json.dumps({"answer": "3"}) + "\n")
     b.write_text(json.dumps({"answer": 3}) + "\n")
-    with pytest.raises(DataError, match=r"column 'answer' has type int64 in .*b\.jsonl but string in .*a\.jsonl"):
-        load_dataset_spec(f"{a},{b}")
+    assert load_dataset_spec(f"{a},{b}")["answer"] == ["3", 3]
+    mixed = load_dataset_spec(f"{a},{b}", probs="0.5,0.5")
+    assert {(type(x).__name__, x) for x in mixed["answer"]} == {("str", "3"), ("int", 3)}
+
+
+@pytest.mark.parametrize("lengths, probs, seed", [((5, 40), (0.5, 0.5), 0), ((300, 200, 7), (0.2, 0.5, 0.3), 11)])
+def test_mixture_order_is_the_one_datasets_interleave_gives(tmp_path, lengths, probs, seed):
+    import datasets
+
+    names = []
+    for k, n in enumerate(lengths):
+        path = tmp_path / f"{k}.jsonl"
+        path.write_text("".join(json.dumps({"x": f"{k}-{i}"}) + "\n" for i in range(n)))
+        names.append(str(path))
+    ours = load_dataset_spec(",".join(names), probs=",".join(map(str, probs)), seed=seed)
+    theirs = datasets.interleave_datasets(
+        [datasets.Dataset.from_list([{"x": f"{k}-{i}"} for i in range(n)]) for k, n in enumerate(lengths)],
+        probabilities=list(probs), seed=seed, stopping_strategy="all_exhausted")
+    assert ours["x"] == theirs["x"]
+
+
+MIXED = ['{"q": "a", "label": "0.50"}', '{"q": "b", "label": 7}', '', '{"q": "c", "label": "true"}',
+         '{"q": "d", "label": null}', '{"q": "e", "label": 1e3}', '{"q": "f", "label": true}',
+         '{"q": "g", "label": [1, "2"]}', '{"q": "h", "label": {"answer": "01"}}', '{"q": "i"}']
+MIXED_VALUES = ["0.50", 7, "true", None, 1000.0, True, [1, "2"], {"answer": "01"}]
+
+
+def test_values_are_read_exactly_as_written(tmp_path):
+    jsonl = tmp_path / "mixed.jsonl"
+    jsonl.write_text("\n".join(MIXED) + "\n")
+    ds = load_dataset_spec(str(jsonl))
+    got = [r["label"] for r in ds if "label" in r]
+    assert got == MIXED_VALUES and [type(v) for v in got] == [type(v) for v in MIXED_VALUES]
+    assert "label" not in ds[8]  # absent stays absent
+    assert ds["_line"] == [1, 2, 4, 5, 6, 7, 8, 9, 10] and ds["_index"] == list(range(9))
+    # a JSON list: the same values; each record's line is where it starts
+    as_list = tmp_path / "mixed.json"
+    as_list.write_text("[\n" + ",\n".join(m for m in MIXED if m) + "\n]\n")
+    listed = load_dataset_spec(str(as_list))
+    assert _user(listed) == _user(ds) and listed["_line"] == list(range(2, 11))
+    # CSV: every cell is the string in the file, "0.50" and "007" included
+    csv_path = tmp_path / "mixed.csv"
+    csv_path.write_text('q,label\na,0.50\nb,007\n\nc,"x, y"\nd,\n')
+    rows = load_dataset_spec(str(csv_path))
+    assert rows["label"] == ["0.50", "007", "x, y", ""] and rows["_line"] == [2, 3, 5, 6]
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "json", "csv"])
+def test_a_byte_that_is_not_utf8_names_the_file_line_and_offset(tmp_path, ext):
+    head = {"jsonl": b'{"q": "fine"}\n', "json": b'[{"q": "fine"},\n', "csv": b"q\n"}[ext]
+    bad = {"jsonl": b'{"q": "caf\xe9"}\n', "json": b'{"q": "caf\xe9"}]\n', "csv": b"caf\xe9\n"}[ext]
+    path = tmp_path / f"latin1.{ext}"
+    path.write_bytes(head + bad)
+    offset = len(head) + bad.index(b"\xe9")
+    with pytest.raises(DataError, match=rf"latin1\.{ext}, line 2: is not valid UTF-8: byte 0xe9 at byte offset "
+                                        rf"{offset} ") as err:
+        load_dataset_spec(str(path))
+    assert (err.value.source, err.value.line, err.value.offset) == (str(path), 2, offset)
+
+
+def test_a_leading_byte_order_mark_is_skipped(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"q": "x"}).encode() + b"\n")
+    assert _user(load_dataset_spec(str(path))) == [{"q": "x"}]
+
+
+def test_malformed_json_lists_and_csv_rows_name_the_line(tmp_path):
+    cases = {
+        "a.json": ('[{"q": 1},\n {"q": 2}\n {"q": 3}]', r"a\.json, line 3: malformed JSON: expecting ',' or ']'"),
+        "b.json": ('[{"q": 1},\n 5]', r"b\.json, line 2, record 1: expected a JSON object per record, got number"),
+        "c.json": ('[{"q": 1},\n {"q": }]', r"c\.json, line 2: malformed JSON: Expecting value"),
+        "d.csv": ("q,label\na,1\nb,2,3\n", r"d\.csv, line 3: has 3 cells but the header has 2 columns"),
+        "e.csv": ("q,q\na,b\n", r"e\.csv, line 1: the header names column\(s\) \['q'\] more than once"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DataError, match=message):
+            load_dataset_spec(str(tmp_path / name))
+    single = tmp_path / "one.json"
+    single.write_text('{\n  "q": "x"\n}\n')
+    assert _user(load_dataset_spec(str(single))) == [{"q": "x"}]
 
 
 def test_builtin_entries(tmp_path):

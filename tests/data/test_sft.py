@@ -142,7 +142,7 @@ def test_bad_records_name_file_record_and_field(tmp_path, tok):
         ({"input": "a", "output": "  "}, {}, r"field 'output': is an empty string"),
         ({"input": ["a"], "output": "b"}, {}, r"field 'input': expected a string, got list .*apply_chat_template"),
         ({"messages": "hi"}, dict(input_key="messages", output_key=None, apply_chat_template=True), r"'messages': is a single prompt string"),
-        ({"messages": 7}, dict(input_key="messages", output_key=None, apply_chat_template=True), r"'messages': expected a string, got int"),
+        ({"messages": 7}, dict(input_key="messages", output_key=None, apply_chat_template=True), r"'messages': expected a list of .* messages \(or a string: one user message\), got int"),
         ({"messages": ["hi"]}, dict(input_key="messages", output_key=None, apply_chat_template=True), r"'messages\[0\]': expected a \{'role', 'content'\} dict"),
         ({"messages": [{"role": "user"}]}, dict(input_key="messages", output_key=None, apply_chat_template=True), r"'messages\[0\]': missing 'content'"),
         ({"messages": [{"role": "user", "content": "a"}]}, dict(input_key="messages", output_key=None, apply_chat_template=True), "no assistant message"),
