@@ -9,6 +9,12 @@ field, default 4), or when the token budget is spent. The reward of both tasks i
 check of the final answer (the last ``\\boxed{}``, else the last number) against ``label["answer"]``
 (or the label itself when it is not a dict): 1.0 or 0.0.
 
+Remote sandboxes: with ``RLHFORGE_SANDBOX_URL`` set (``http://host:10003``, several URLs separated by
+commas, or ``endpoints:FILE``, a file of URLs checked on every call) the code runs on
+``rlhforge serve-sandbox`` servers through :class:`~rlhforge.agents.sandbox.SandboxClient` (failover
+between servers; a call no server could run is a sandbox failure like a local one), with the key
+of ``RLHFORGE_SANDBOX_API_KEY``. :func:`configure_sandbox` sets the same from code.
+
 Filters: ``math_tir``'s per-sample filter keeps out of the loss samples in which the sandbox itself
 failed (not the model's code: the tool was unavailable, so the sample says nothing about the
 policy); its per-experience filter drops prompt groups in which every sample met a sandbox failure
@@ -20,18 +26,46 @@ from __future__ import annotations
 from typing import Any
 
 
-__all__ = ["math_score", "math_tir_generate", "label_answer", "sandbox"]
+__all__ = ["math_score", "math_tir_generate", "label_answer", "sandbox", "configure_sandbox"]
 
 _SANDBOX = None
+_SANDBOX_KEY: tuple | None = None
+_CONFIGURED: tuple | None = None
+_LIMITS = dict(timeout_s=5.0, memory_bytes=512 << 20)
+
+
+def configure_sandbox(url: str | None = None, *, api_key: str | None = None) -> None:
+    """Where ``math_tir`` runs code: ``url`` (URLs or ``endpoints:FILE``, see the module docstring)
+    instead of ``$RLHFORGE_SANDBOX_URL``; ``None`` goes back to the environment variable (unset: a
+    local sandbox). Checks the URLs / file now (ValueError naming the problem)."""
+    global _CONFIGURED
+    if url:
+        from rlhforge.agents.sandbox.client import sandbox_endpoints
+
+        sandbox_endpoints(url)
+    _CONFIGURED = (url, api_key) if url else None
 
 
 def sandbox():
-    """The shared sandbox of the built-in tool environment (created on first use)."""
-    global _SANDBOX
-    if _SANDBOX is None:
-        from rlhforge.agents.sandbox import Sandbox, SandboxConfig
+    """The shared sandbox of the built-in tool environment: a local :class:`Sandbox`, or a
+    :class:`SandboxClient` when remote servers are configured (re-checked on every call, so a
+    changed setting takes effect at the next call)."""
+    global _SANDBOX, _SANDBOX_KEY
+    import os
 
-        _SANDBOX = Sandbox(SandboxConfig(timeout_s=5.0, memory_bytes=512 << 20, concurrency=4))
+    from rlhforge.agents.sandbox.client import API_KEY_ENV, URL_ENV
+
+    url, key = _CONFIGURED or (os.environ.get(URL_ENV) or None, None)
+    key = key if key is not None else os.environ.get(API_KEY_ENV) or None
+    if _SANDBOX is None or _SANDBOX_KEY != (url, key):
+        from rlhforge.agents.sandbox import Sandbox, SandboxClient, SandboxConfig
+
+        if url:
+            _SANDBOX = SandboxClient(url, api_key=key, timeout_s=_LIMITS["timeout_s"],
+                                     limits={"memory_bytes": _LIMITS["memory_bytes"]})
+        else:
+            _SANDBOX = Sandbox(SandboxConfig(**_LIMITS, concurrency=4))
+        _SANDBOX_KEY = (url, key)
     return _SANDBOX
 
 

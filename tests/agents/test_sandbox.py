@@ -361,3 +361,40 @@ def test_unprivileged_user_namespace_mode():
     if "MODE userns" not in out.stdout:
         pytest.skip(f"unprivileged user namespaces unavailable here: {out.stdout} {out.stderr[-500:]}")
     assert "NET 101 FS True BOMB True" in out.stdout, out.stdout + out.stderr
+
+
+def test_per_call_limits_override_the_config_for_one_call():
+    from rlhforge.agents.sandbox import PER_CALL_LIMITS
+
+    sb = sandbox("auto")  # 512 MiB, 5 s
+    hog = "b = bytearray(300 << 20)\nprint(len(b))"
+    r = run(sb, hog, limits={"memory_bytes": 128 << 20})
+    assert r.memory_exceeded and r.stdout == ""
+    assert run(sb, hog).stdout == f"{300 << 20}\n"  # the next call has the config's limit again
+    r = run(sb, "print('y' * 5000)", limits={"max_output_bytes": 1024})
+    assert r.truncated and r.stdout_bytes == 5001 and len(r.stdout) < 1200
+    r = run(sb, "while True: pass", limits={"timeout_s": 0.5})
+    assert r.timed_out and r.time_limit_s == 0.5
+    with pytest.raises(ValueError, match="'isolation'.*cannot be set per call"):
+        run(sb, "print(1)", limits={"isolation": "basic"})
+    with pytest.raises(ValueError, match="max_output_bytes must be >= 256"):
+        run(sb, "print(1)", limits={"max_output_bytes": 10})
+    assert "isolation" not in PER_CALL_LIMITS and "memory_bytes" in PER_CALL_LIMITS
+
+
+def test_clamp_limits_and_result_round_trip():
+    from rlhforge.agents.sandbox.config import clamp_limits, result_from_dict, result_to_dict
+
+    ceiling = SandboxConfig(timeout_s=10, memory_bytes=512 << 20, kill_output_bytes=None)
+    got = clamp_limits({"timeout_s": 60, "memory_bytes": 64 << 20, "cpu_time_s": 99, "kill_output_bytes": 1 << 30,
+                        "max_processes": None}, ceiling)
+    # lowered to the ceiling, kept when below it, unbounded stays unbounded; None: the ceiling's value
+    assert got == {"timeout_s": 10.0, "memory_bytes": 64 << 20, "cpu_time_s": 10.0, "kill_output_bytes": 1 << 30}
+    with pytest.raises(ValueError, match="must be a number"):
+        clamp_limits({"timeout_s": "5"}, ceiling)
+    with pytest.raises(ValueError, match="cannot be set per call"):
+        clamp_limits({"python": 1}, ceiling)
+    r = run(sandbox("auto"), "print(7)")
+    assert result_from_dict({**result_to_dict(r), "from_a_newer_server": 1}) == r
+    with pytest.raises(ValueError, match="missing"):
+        result_from_dict({"stdout": ""})

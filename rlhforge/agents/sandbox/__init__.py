@@ -38,6 +38,10 @@ exact guarantees are in ``docs/sandbox.md``):
     of forks. Interposition is best effort: it stops ordinary model-written code, not a
     determined attacker with a C extension.
 
+Remote use: ``rlhforge serve-sandbox`` serves a sandbox over HTTP (:mod:`.server`);
+:class:`SandboxClient` runs code there with the same ``run()`` call, failing over between servers
+listed in a live endpoints file (:mod:`.client`).
+
 Helpers: :func:`format_feedback` (result -> concise text for the model) and
 :func:`extract_code_blocks` (```` ```python ```` fenced blocks of a completion).
 """
@@ -45,9 +49,10 @@ Helpers: :func:`format_feedback` (result -> concise text for the model) and
 from __future__ import annotations
 
 
-from .config import SandboxConfig, SandboxResult, SandboxUnavailableError
+from .client import SandboxClient
+from .config import PER_CALL_LIMITS, SandboxConfig, SandboxResult, SandboxUnavailableError
 from .feedback import extract_code_blocks, format_feedback
 from .runner import Sandbox
 
-__all__ = ["Sandbox", "SandboxConfig", "SandboxResult", "SandboxUnavailableError", "format_feedback",
-           "extract_code_blocks"]
+__all__ = ["Sandbox", "SandboxClient", "SandboxConfig", "SandboxResult", "SandboxUnavailableError", "PER_CALL_LIMITS",
+           "format_feedback", "extract_code_blocks"]

@@ -139,3 +139,50 @@ class SandboxResult:
             return signal.Signals(-self.exit_code).name
         except ValueError:
             return f"signal {-self.exit_code}"
+
+
+# ---------------------------------------------------------------------------------- per call / wire
+
+PER_CALL_LIMITS: tuple[str, ...] = (
+    "timeout_s", "cpu_time_s", "memory_bytes", "max_processes", "max_output_bytes", "kill_output_bytes",
+    "max_file_bytes", "max_open_files", "scratch_bytes", "shm_bytes")
+"""The :class:`SandboxConfig` fields one call may set (``Sandbox.run(limits=...)``, the service's
+``limits``); isolation, interpreter, paths and environment belong to the sandbox."""
+
+
+def clamp_limits(requested: dict, ceiling: SandboxConfig) -> dict:
+    """``requested`` per-call limits, each lowered to ``ceiling``'s value (the service's maxima).
+    None (or a missing key) means the ceiling's value. Unknown names or non-numbers raise ValueError."""
+    out = {}
+    for key, value in requested.items():
+        if key not in PER_CALL_LIMITS:
+            raise ValueError(f"limit {key!r} cannot be set per call (choose from {', '.join(PER_CALL_LIMITS)})")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"limit {key!r} must be a number (got {value!r})")
+        cap = getattr(ceiling, key)
+        if key == "cpu_time_s" and cap is None:
+            cap = ceiling.timeout_s
+        value = value if cap is None else min(value, cap)
+        out[key] = float(value) if key in ("timeout_s", "cpu_time_s") else int(value)
+    return out
+
+
+def result_to_dict(result: SandboxResult) -> dict:
+    """JSON-ready fields of ``result`` (the sandbox service's answer)."""
+    from dataclasses import asdict
+
+    return asdict(result)
+
+
+def result_from_dict(data: dict) -> SandboxResult:
+    """A :class:`SandboxResult` from :func:`result_to_dict`'s output (unknown keys are ignored, so
+    a newer server's extra fields do not break an older client)."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(SandboxResult)}
+    missing = {"stdout", "stderr", "exit_code", "timed_out", "memory_exceeded", "truncated", "duration"} - set(data)
+    if missing:
+        raise ValueError(f"not a sandbox result: missing {sorted(missing)}")
+    return SandboxResult(**{k: v for k, v in data.items() if k in names})

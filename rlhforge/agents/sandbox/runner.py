@@ -16,11 +16,13 @@ import tempfile
 import threading
 import time
 import weakref
+from dataclasses import replace
+from typing import Any, Mapping
 
 from .boot_guards import BOOT_GUARDS
 from .boot_main import BOOT_MAIN
-from .config import (_BOOT_NAME, _EXIT_INIT, _EXIT_SETUP, _LOADER, _MARKER, SandboxConfig,
-                                             SandboxResult, SandboxUnavailableError)
+from .config import (_BOOT_NAME, _EXIT_INIT, _EXIT_SETUP, _LOADER, _MARKER, PER_CALL_LIMITS, SandboxConfig,
+                     SandboxResult, SandboxUnavailableError)
 
 # --------------------------------------------------------------------------------------------
 # The bootstrap: runs in the sandbox's interpreter (``python -I -S``), reads its config and the
@@ -104,8 +106,6 @@ class Sandbox:
         if config is None:
             config = SandboxConfig(**overrides)
         elif overrides:
-            from dataclasses import replace
-
             config = replace(config, **overrides)
         self.config = config
         self.python = config.python or sys.executable
@@ -136,22 +136,34 @@ class Sandbox:
         await self._ensure_mode(self._state())
         return self._mode
 
-    async def run(self, code: str, *, timeout_s: float | None = None) -> SandboxResult:
-        """Run ``code`` as a fresh ``__main__`` module; never raises for what the code does."""
+    async def run(self, code: str, *, timeout_s: float | None = None,
+                  limits: Mapping[str, Any] | None = None) -> SandboxResult:
+        """Run ``code`` as a fresh ``__main__`` module; never raises for what the code does.
+
+        ``limits``: this call's values of some of :data:`PER_CALL_LIMITS` (``memory_bytes``,
+        ``max_output_bytes``...) instead of the config's; an invalid combination raises ValueError."""
         if not isinstance(code, str):
             raise TypeError(f"Sandbox.run(code): code must be str, got {type(code).__name__}")
+        cfg = self.config
+        if limits:
+            unknown = sorted(set(limits) - set(PER_CALL_LIMITS))
+            if unknown:
+                raise ValueError(f"Sandbox.run(limits=...): {unknown} cannot be set per call "
+                                 f"(choose from {', '.join(PER_CALL_LIMITS)})")
+            cfg = replace(cfg, **limits)  # SandboxConfig validates the values
         state = self._state()
         await self._ensure_mode(state)
         data = code.encode("utf-8", "surrogatepass")
-        if len(data) > self.config.max_code_bytes:
+        if len(data) > cfg.max_code_bytes:
             return self._error_result(f"code is {len(data)} bytes; the sandbox runs at most "
-                                      f"{self.config.max_code_bytes} bytes", 0.0)
+                                      f"{cfg.max_code_bytes} bytes", 0.0)
         async with state.semaphore:
-            return await self._run_once(data, self._mode, timeout_s or self.config.timeout_s)
+            return await self._run_once(data, self._mode, timeout_s or cfg.timeout_s, cfg)
 
-    def run_sync(self, code: str, *, timeout_s: float | None = None) -> SandboxResult:
+    def run_sync(self, code: str, *, timeout_s: float | None = None,
+                 limits: Mapping[str, Any] | None = None) -> SandboxResult:
         """:meth:`run` for code without an event loop (do not call from inside one)."""
-        return asyncio.run(self.run(code, timeout_s=timeout_s))
+        return asyncio.run(self.run(code, timeout_s=timeout_s, limits=limits))
 
     # ---- mode selection -------------------------------------------------------------------
     def _state(self) -> _LoopState:
@@ -215,8 +227,9 @@ class Sandbox:
         return SandboxResult(stdout="", stderr="", exit_code=None, timed_out=False, memory_exceeded=False,
                              truncated=False, duration=duration, error=message, isolation=self._mode or "")
 
-    async def _run_once(self, code: bytes, mode: str, timeout_s: float) -> SandboxResult:
-        cfg = self.config
+    async def _run_once(self, code: bytes, mode: str, timeout_s: float,
+                        cfg: SandboxConfig | None = None) -> SandboxResult:
+        cfg = cfg or self.config
         start = time.monotonic()
         slot = self._take_slot()
         status_r = status_w = -1
@@ -259,7 +272,7 @@ class Sandbox:
                 os.close(status_w)
                 status_w = -1
             call = _Call(proc, status_r, mode)
-            return await self._supervise(call, payload, timeout_s, start)
+            return await self._supervise(call, payload, timeout_s, start, cfg)
         except BaseException:  # cancelled (or a bug): kill the call and reap it before passing it on
             if proc is not None:
                 try:
@@ -275,8 +288,9 @@ class Sandbox:
                 shutil.rmtree(workdir, ignore_errors=True)
             self._release_slot(slot)
 
-    async def _supervise(self, call: "_Call", payload: bytes, timeout_s: float, start: float) -> SandboxResult:
-        cfg, proc, mode = self.config, call.proc, call.mode
+    async def _supervise(self, call: "_Call", payload: bytes, timeout_s: float, start: float,
+                         cfg: SandboxConfig) -> SandboxResult:
+        proc, mode = call.proc, call.mode
         out, err = _Capture(cfg.max_output_bytes), _Capture(cfg.max_output_bytes)
         flood = {"hit": False}
 
