@@ -84,7 +84,8 @@ def check_reward_servers(cfg: RLConfig, log=lambda msg: print(msg, flush=True)) 
     else:
         return
     try:
-        wait_for_reward_servers(urls, api_key=key, wait_s=cfg.reward.wait_for_server_s, require=require, log=log)
+        wait_for_reward_servers(urls, api_key=key, wait_s=cfg.reward.wait_for_server_s, require=require, log=log,
+                                timeout=min(5.0, cfg.reward.timeout))
     except RewardServerError as err:
         hint = ""
         if "HTTP 401" in str(err) or "HTTP 403" in str(err):
@@ -212,12 +213,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
     from rlhforge.cli.errors import user_errors
     from rlhforge.agents.episode import AgentError
     from rlhforge.rewards.base import RewardError
+    from rlhforge.rewards.client import RewardServerError
     from rlhforge.distributed.groups import WorkerError
 
     with user_errors(prog):
         cfg = parse_rl_args(argv, prog=prog)
         try:
             run(cfg)
+        except RewardServerError as err:  # every HTTP reward server failed (--reward.timeout/retries used up)
+            print(f"{prog}: error: reward servers failed during the run: {err}", file=sys.stderr)
+            raise SystemExit(3) from None
         except RewardError as err:
             print(f"{prog}: error: reward failed: {err}", file=sys.stderr)
             raise SystemExit(3) from None

@@ -137,6 +137,18 @@ class RewardConfig:
     wait_for_server_s: float = 0.0
     """Seconds to wait at start-up for the HTTP reward servers to answer (retrying, with a progress
     line); 0 fails at once when one does not answer. rlhforge-specific."""
+    timeout: float = 180.0
+    """HTTP reward servers: seconds one request may take in all (connect, send, answer) before the
+    attempt counts as failed (a server that accepts connections and never answers costs this much
+    per attempt). OpenRLHF's client: 180 s. rlhforge-specific."""
+    retries: int = 2
+    """HTTP reward servers: repeats of a failed request (connection error, timeout, HTTP 408/429/5xx) on
+    the same server before its shard fails over to the next server; every failed attempt prints one
+    line (URL, attempt k/n, cause, next wait). When every server has failed the run stops with exit 3
+    naming each URL and cause. rlhforge-specific."""
+    retry_backoff_s: float = 1.0
+    """HTTP reward servers: wait before the first repeat, doubled for each further one (at most 30 s,
+    +-10% jitter; a server's Retry-After is honoured up to that). rlhforge-specific."""
     normalize_enable: bool = False
     """Reward model only: normalise scores with the mean/std stored in the reward model's config."""
     clip_range: tuple[float, float] | None = None

@@ -66,6 +66,17 @@ def _get(cfg, dotted: str):
     return node
 
 
+def _validate_reward_client(cfg) -> None:
+    """``--reward.timeout`` / ``--reward.retries`` / ``--reward.retry_backoff_s`` (HTTP reward servers)."""
+    r = cfg.reward
+    if not 0 < r.timeout < float("inf"):
+        raise ConfigError(f"--reward.timeout must be a number of seconds > 0 (got {r.timeout})")
+    if r.retries < 0:
+        raise ConfigError(f"--reward.retries must be >= 0 (got {r.retries}; 0 = one attempt per server)")
+    if not 0 <= r.retry_backoff_s < float("inf"):
+        raise ConfigError(f"--reward.retry_backoff_s must be >= 0 (got {r.retry_backoff_s})")
+
+
 def validate_rl(cfg) -> None:
     """Start-up checks with messages that show the value, the rule and the fix."""
     if cfg.actor.model_name_or_path is None:
@@ -84,6 +95,7 @@ def validate_rl(cfg) -> None:
             )
     _validate_vllm(cfg)
     _validate_distributed(cfg)
+    _validate_reward_client(cfg)
     t = cfg.train
     if t.agent_step_timeout <= 0 or t.agent_episode_timeout <= 0:
         raise ConfigError(f"--train.agent_step_timeout and --train.agent_episode_timeout must be > 0 "

@@ -131,21 +131,50 @@ class RemoteReward:
     """HTTP reward servers (OpenRLHF's JSON protocol); several URLs share the batch round-robin.
 
     ``endpoints`` is a list of URLs or an endpoint source with ``current()`` (e.g. an
-    :class:`~rlhforge.rewards.endpoints.EndpointsFile`, consulted before every call)."""
+    :class:`~rlhforge.rewards.endpoints.EndpointsFile`, consulted before every call). Each request
+    follows ``policy`` (:class:`~rlhforge.rewards.client.RetryPolicy`: per-attempt timeout, retries,
+    backoff; one log line per failed attempt). A shard whose server fails moves to the next server
+    not yet failed; servers that failed are skipped by later calls while others are live
+    (:class:`~rlhforge.rewards.client.ServerHealth`). When every server fails a
+    :class:`~rlhforge.rewards.client.RewardServerError` names each URL and its cause."""
 
-    def __init__(self, endpoints, timeout: float = 300.0, name: str | None = None, api_key: str | None = None):
-        from rlhforge.rewards.client import auth_headers
+    def __init__(self, endpoints, timeout: float = 180.0, name: str | None = None, api_key: str | None = None, *,
+                 policy=None, log: Callable[[str], None] | None = None):
+        from rlhforge.rewards.client import RetryPolicy, ServerHealth, auth_headers
         from rlhforge.rewards.endpoints import StaticEndpoints
 
         self.endpoints = endpoints if hasattr(endpoints, "current") else StaticEndpoints(endpoints)
-        self.timeout = timeout
+        self.policy = policy or RetryPolicy(timeout=timeout)
         self._headers = auth_headers(api_key)  # api_key None: $RLHFORGE_REWARD_API_KEY; never logged
+        self.health = ServerHealth()
+        self._log = log
         self.name = name or f"reward server {','.join(self.endpoints.current())}"
 
+    @classmethod
+    def from_config(cls, reward_cfg, endpoints, name: str | None = None) -> "RemoteReward":
+        """From ``--reward.*`` (:class:`~rlhforge.config.rl.RewardConfig`): timeout, retries, backoff, key."""
+        from rlhforge.rewards.client import RetryPolicy
+
+        policy = RetryPolicy(timeout=reward_cfg.timeout, retries=reward_cfg.retries,
+                             backoff_s=reward_cfg.retry_backoff_s)
+        return cls(endpoints, name=name, api_key=reward_cfg.api_key, policy=policy)
+
+    @property
+    def timeout(self) -> float:
+        return self.policy.timeout
+
     async def __call__(self, batch: RewardBatch) -> dict:
-        urls = self.endpoints.current()
-        chunks = [list(range(i, len(batch), len(urls))) for i in range(len(urls))]
-        results = await asyncio.gather(*[self._post(url, batch, idx) for url, idx in zip(urls, chunks) if idx])
+        import httpx
+
+        from rlhforge.rewards.client import FailoverCall, _httpx_timeout
+
+        order = self.health.order(self.endpoints.current())
+        live = [u for u in order if not self.health.cooling(u)] or order
+        chunks = [list(range(i, len(batch), len(live))) for i in range(len(live))]
+        call = FailoverCall()
+        async with httpx.AsyncClient(timeout=_httpx_timeout(self.policy.timeout), headers=self._headers) as http:
+            results = await asyncio.gather(*[self._post(http, order, url, batch, idx, call)
+                                             for url, idx in zip(live, chunks) if idx])
         rewards = [0.0] * len(batch)
         scores = [0.0] * len(batch)
         extra: dict[str, list[float]] = {}
@@ -159,16 +188,16 @@ class RemoteReward:
                     col[i] = values[j] if isinstance(values, list) else values
         return {"rewards": rewards, "scores": scores, "extra_logs": extra}
 
-    async def _post(self, url: str, batch: RewardBatch, idx: list[int]) -> dict:
+    async def _post(self, http, order: list[str], url: str, batch: RewardBatch, idx: list[int],
+                    call) -> dict:
+        from rlhforge.rewards.client import check_rewards_answer, post_with_failover
+
         payload = {"query": [batch.queries[i] for i in idx], "prompts": [batch.prompts[i] for i in idx],
                    "labels": [batch.labels[i] for i in idx]}
-        from rlhforge.rewards.client import post_json
-
-        res = await post_json(url, payload, self.timeout, headers=self._headers)
-        if not isinstance(res, dict) or "rewards" not in res:
-            raise RewardError(f"{url} answered {str(res)[:200]!r}; expected JSON with 'rewards'")
-        if len(res["rewards"]) != len(idx):
-            raise RewardError(f"{url} returned {len(res['rewards'])} rewards for {len(idx)} samples")
+        kwargs = {"log": self._log} if self._log is not None else {}
+        _url, res = await post_with_failover(http, order, payload, self.policy, start=url, health=self.health,
+                                             call=call, check=lambda data: check_rewards_answer(data, len(idx)),
+                                             **kwargs)
         return res
 
 
@@ -217,12 +246,12 @@ def build_reward_source(cfg, *, device=None, pad_token_id: int | None = None):
         if url.endswith(".py"):
             return FunctionReward.from_file(url)
         if url.startswith(("http://", "https://")):
-            return RemoteReward([u.strip() for u in url.split(",") if u.strip()], api_key=cfg.reward.api_key)
+            return RemoteReward.from_config(cfg.reward, [u.strip() for u in url.split(",") if u.strip()])
         if url.startswith("endpoints:"):
             from rlhforge.rewards.endpoints import EndpointsFile
 
             path = url.split(":", 1)[1]
-            return RemoteReward(EndpointsFile(path), name=f"reward servers listed in {path}", api_key=cfg.reward.api_key)
+            return RemoteReward.from_config(cfg.reward, EndpointsFile(path), name=f"reward servers listed in {path}")
         raise RewardError(
             f"--reward.remote_url {url!r}: expected a .py file with reward_func, an http(s):// URL, "
             "endpoints:FILE or builtin:NAME"

@@ -156,11 +156,11 @@ def test_remote_reward_follows_a_live_endpoints_file(tmp_path):
     listing = tmp_path / "reward_servers.txt"
     listing.write_text(f"# the reward servers\n{url_a}\n")
 
-    class Cfg:
-        class reward:  # noqa: N801
-            remote_url = f"endpoints:{listing}"
+    from types import SimpleNamespace
 
-    source = build_reward_source(Cfg)
+    from rlhforge.config.rl import RewardConfig
+
+    source = build_reward_source(SimpleNamespace(reward=RewardConfig(remote_url=f"endpoints:{listing}")))
     batch = RewardBatch(queries=["q1", "q2"], prompts=["p1", "p2"], responses=["r1", "r2"], labels=["l1", "l2"],
                         datasources=[None, None])
     try:
