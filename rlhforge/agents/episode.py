@@ -21,14 +21,28 @@ into an :class:`AgentError` that names the sample. A failed sample is returned w
 ``drop_reason="env_error"``; :func:`drop_failed_groups` (called by the trainer) removes its whole
 prompt group from the batch and counts it, unless ``--train.agent_fail_fast`` makes the first
 failure stop the run.
+
+**Threads.** Plain (synchronous) environment code - ``def step()``, ``def reset()``, a sync
+constructor, task reward or ``run_agent`` - runs in the executor's own :class:`EnvThreadPool` of
+daemon threads, never in the event loop's default executor, and HF/vLLM generation runs in a
+pool of its own (``_GENERATION_POOL``), so environments cannot starve generation. A sync call
+that outlives ``--train.agent_step_timeout`` fails its sample exactly like a timed-out async call;
+its thread cannot be killed, so it is *abandoned*: left behind, counted
+(``rollout/agent_stuck_threads``) and replaced by a fresh one, so the calls of other samples keep
+their full ``--train.agent_env_concurrency``. A thread that does return later goes back to the
+pool and stops being counted. More than ``--train.agent_max_stuck_threads`` stuck at once stops
+the run with :class:`EnvironmentStuckError`, naming the environment and the count.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
+import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -36,14 +50,19 @@ from rlhforge.agents.single_turn import PromptRequest
 from rlhforge.agents.types import Trajectory
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
 
-__all__ = ["AgentError", "AgentSettings", "Action", "Episode", "BatchingEngine", "EpisodeExecutor",
-           "EpisodeContext", "drop_failed_groups", "sample_id", "turn_seed"]
+__all__ = ["AgentError", "EnvironmentStuckError", "AgentSettings", "Action", "Episode", "BatchingEngine",
+           "EnvThreadPool", "EpisodeExecutor", "EpisodeContext", "drop_failed_groups", "sample_id", "turn_seed"]
 
 _SEED_MOD = 2**62
 
 
 class AgentError(RuntimeError):
     """An environment or agent failed (raised, hung, returned something unusable); names the sample."""
+
+
+class EnvironmentStuckError(AgentError):
+    """More synchronous environment calls hung (threads abandoned) than ``--train.agent_max_stuck_threads``
+    allows: the run stops (it is never turned into a dropped sample)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +75,9 @@ class AgentSettings:
     """Seconds one whole episode may take (generation included)."""
     env_concurrency: int = 64
     """Environment calls running at once (OpenAI-client agents: episodes at once)."""
+    max_stuck_threads: int = 16
+    """Synchronous environment calls that may hang past their timeout (threads abandoned) before the
+    run stops with :class:`EnvironmentStuckError`."""
     fail_fast: bool = False
     """Stop the run at the first failing sample instead of dropping its group."""
     max_len: int | None = None
@@ -68,7 +90,8 @@ class AgentSettings:
         t = cfg.train
         return cls(step_timeout=t.agent_step_timeout, episode_timeout=t.agent_episode_timeout,
                    env_concurrency=t.agent_env_concurrency, fail_fast=t.agent_fail_fast, max_len=cfg.data.max_len,
-                   prefix_mismatch=t.agent_openai_prefix_mismatch)
+                   prefix_mismatch=t.agent_openai_prefix_mismatch,
+                   max_stuck_threads=getattr(t, "agent_max_stuck_threads", cls.max_stuck_threads))
 
 
 def sample_id(req: PromptRequest) -> str:
@@ -136,7 +159,215 @@ class BatchingEngine:
             torch.set_num_threads(n_threads)  # the thread pool size is per thread
             return sync(prompts, params)
 
-        return await asyncio.to_thread(run)
+        return await asyncio.get_running_loop().run_in_executor(_generation_pool(), run)
+
+
+_GENERATION_POOL: ThreadPoolExecutor | None = None
+_GENERATION_POOL_LOCK = threading.Lock()
+
+
+def _generation_pool() -> ThreadPoolExecutor:
+    """Threads that only decode (never environment code, never the loop's default executor)."""
+    global _GENERATION_POOL
+    with _GENERATION_POOL_LOCK:
+        if _GENERATION_POOL is None:
+            _GENERATION_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlhforge-generate")
+        return _GENERATION_POOL
+
+
+# --------------------------------------------------------------------------------------------- env threads
+
+
+class _Worker:
+    __slots__ = ("inbox", "abandoned", "name")
+
+    def __init__(self, name: str):
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.abandoned = False
+        self.name = name
+
+
+class _Job:
+    __slots__ = ("fn", "args", "kwargs", "what", "loop", "future", "finished", "worker")
+
+    def __init__(self, fn, args, kwargs, what, loop, future):
+        self.fn, self.args, self.kwargs, self.what = fn, args, kwargs, what
+        self.loop, self.future = loop, future
+        self.finished = False
+        self.worker: _Worker | None = None
+
+
+class EnvThreadPool:
+    """Daemon threads for synchronous environment code, apart from generation and the loop's default
+    executor.
+
+    At most ``max_threads`` threads serve calls (more calls wait for one). A call whose timeout
+    passes (or whose episode is cancelled) while its function still runs *abandons* its thread: the
+    thread is left to finish (Python cannot kill it), counted in :attr:`stuck`, and no longer counts
+    against ``max_threads``, so a fresh thread takes its place. A stuck thread that returns rejoins
+    the pool. When a timeout leaves more than ``max_stuck`` threads stuck, that call raises
+    :class:`EnvironmentStuckError` naming ``env_name`` and the count. Daemon threads never block
+    interpreter exit.
+    """
+
+    def __init__(self, max_threads: int = 64, max_stuck: int = 16, env_name: str = "environment"):
+        self.max_threads, self.max_stuck, self.env_name = max(1, int(max_threads)), int(max_stuck), env_name
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self._serving = 0
+        """Threads that are not abandoned (idle, or running a call someone waits for)."""
+        self._stuck: dict[_Worker, str] = {}
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._closed = False
+        self.abandoned_total = 0
+        """Calls abandoned over the pool's life (stuck now, or returned since)."""
+        self.threads_started = 0
+
+    @property
+    def stuck(self) -> int:
+        """Threads abandoned in a call that has not returned yet."""
+        with self._lock:
+            return len(self._stuck)
+
+    def stuck_calls(self) -> dict[str, int]:
+        """What the stuck threads are running (``"step 1"`` -> count)."""
+        with self._lock:
+            return dict(collections.Counter(self._stuck.values()))
+
+    def configure(self, *, max_threads: int | None = None, max_stuck: int | None = None,
+                  env_name: str | None = None) -> None:
+        with self._lock:
+            if max_threads is not None:
+                self.max_threads = max(1, int(max_threads))
+            if max_stuck is not None:
+                self.max_stuck = int(max_stuck)
+            if env_name is not None:
+                self.env_name = env_name
+
+    async def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None, *, timeout: float,
+                  what: str = "call") -> Any:
+        """``fn(*args, **kwargs)`` in a pool thread: its result, or its exception re-raised. After
+        ``timeout`` s raises ``asyncio.TimeoutError`` (the thread is abandoned), or
+        :class:`EnvironmentStuckError` when that leaves more than ``max_stuck`` threads stuck."""
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, args, kwargs or {}, what, loop, loop.create_future())
+        self._submit(job)
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), timeout)
+        except asyncio.TimeoutError:
+            if self._abandon(job) > self.max_stuck:
+                raise self._stuck_error() from None
+            raise
+        except asyncio.CancelledError:
+            self._abandon(job)
+            raise
+
+    def _stuck_error(self) -> EnvironmentStuckError:
+        calls = ", ".join(f"{what}: {n}" for what, n in sorted(self.stuck_calls().items()))
+        n = self.stuck
+        return EnvironmentStuckError(
+            f"{n} thread{'s are' if n != 1 else ' is'} stuck in synchronous calls of {self.env_name} that never "
+            f"returned ({calls}); "
+            f"that is more than --train.agent_max_stuck_threads={self.max_stuck}, so the run stops. A timed-out sync "
+            "call leaves its thread behind (Python cannot kill it): make the environment's reset/step async (and "
+            "await with a timeout), fix what blocks, or raise the cap")
+
+    def _submit(self, job: _Job) -> None:
+        with self._lock:
+            if self._closed:
+                raise AgentError(f"{self.env_name}: the environment thread pool is closed")
+            if self._idle:
+                worker = self._idle.pop()
+            elif self._serving < self.max_threads:
+                worker = self._start_worker()
+            else:  # every serving thread is busy: the next one that frees up takes it
+                self._queue.append(job)
+                return
+            job.worker = worker
+        worker.inbox.put(job)
+
+    def _start_worker(self) -> _Worker:  # under the lock
+        self.threads_started += 1
+        worker = _Worker(f"rlhforge-env-{self.threads_started}")
+        self._serving += 1
+        threading.Thread(target=self._work, args=(worker,), daemon=True, name=worker.name).start()
+        return worker
+
+    def _abandon(self, job: _Job) -> int:
+        """The caller stopped waiting for ``job``; returns the number of stuck threads."""
+        handoff = None
+        with self._lock:
+            if job.worker is None:  # still queued: it never runs
+                if job in self._queue:
+                    self._queue.remove(job)
+                job.finished = True
+            elif not job.finished and not job.worker.abandoned:
+                job.worker.abandoned = True
+                self._stuck[job.worker] = job.what
+                self._serving -= 1
+                self.abandoned_total += 1
+                if self._queue and not self._closed:  # a waiting call gets a fresh thread
+                    handoff = self._queue.popleft()
+                    handoff.worker = self._start_worker()
+            n = len(self._stuck)
+        if handoff is not None:
+            handoff.worker.inbox.put(handoff)
+        return n
+
+    def _work(self, worker: _Worker) -> None:
+        job = worker.inbox.get()
+        while job is not None:
+            try:
+                outcome = (True, job.fn(*job.args, **job.kwargs))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                outcome = (False, err)
+            with self._lock:
+                job.finished = True
+                if worker.abandoned:  # it came back after all: serve again
+                    worker.abandoned = False
+                    self._stuck.pop(worker, None)
+                    self._serving += 1
+                nxt, leave = None, False
+                if self._queue and not self._closed:
+                    nxt = self._queue.popleft()
+                    nxt.worker = worker
+                elif self._closed or self._serving > self.max_threads:
+                    self._serving -= 1
+                    leave = True
+                else:
+                    self._idle.append(worker)
+            self._deliver(job, outcome)
+            if leave:
+                return
+            job = nxt if nxt is not None else worker.inbox.get()
+
+    @staticmethod
+    def _deliver(job: _Job, outcome) -> None:
+        ok, value = outcome
+
+        def settle():
+            if not job.future.done():
+                if ok:
+                    job.future.set_result(value)
+                else:
+                    job.future.set_exception(value)
+
+        try:
+            job.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is closed: nobody is waiting
+            pass
+
+    def close(self) -> None:
+        """Let idle threads exit (stuck ones are daemons and are left to themselves)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._serving -= len(idle)
+            for job in self._queue:
+                job.finished = True
+            self._queue.clear()
+        for worker in idle:
+            worker.inbox.put(None)
 
 
 # --------------------------------------------------------------------------------------------- episode
@@ -237,9 +468,12 @@ class Episode:
 class EpisodeContext:
     """Shared by the episodes of one ``execute_batch``: engine front, tokenizer, limits."""
 
-    def __init__(self, engine: BatchingEngine, tokenizer, settings: AgentSettings, tokenizer_lock=None):
+    def __init__(self, engine: BatchingEngine, tokenizer, settings: AgentSettings, tokenizer_lock=None,
+                 env_pool: "EnvThreadPool | None" = None):
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.semaphore = asyncio.Semaphore(max(1, settings.env_concurrency))
+        self.env_pool = env_pool or EnvThreadPool(settings.env_concurrency, settings.max_stuck_threads)
+        """Where synchronous environment code runs (the executor's pool, shared by its batches)."""
         self.lock = tokenizer_lock or threading.RLock()
         self.env_seconds = 0.0
 
@@ -253,8 +487,10 @@ class EpisodeContext:
                                          clean_up_tokenization_spaces=False)
 
     async def call(self, fn: Callable, *args, what: str, timeout: float | None = None, **kwargs) -> Any:
-        """Call environment code (async, or sync in a worker thread) under the concurrency limit and
-        the per-call timeout; a hang or an exception becomes an :class:`AgentError` naming ``what``."""
+        """Call environment code (async, or sync in a thread of :attr:`env_pool`) under the concurrency
+        limit and the per-call timeout; a hang or an exception becomes an :class:`AgentError` naming
+        ``what`` (a hung sync call abandons its thread; too many of those raise
+        :class:`EnvironmentStuckError`)."""
         timeout = self.settings.step_timeout if timeout is None else timeout
         async with self.semaphore:
             t0 = time.perf_counter()
@@ -262,9 +498,10 @@ class EpisodeContext:
                 if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
                     result = await asyncio.wait_for(fn(*args, **kwargs), timeout)
                 else:
-                    result = await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout)
-                    if inspect.isawaitable(result):
-                        result = await asyncio.wait_for(result, timeout)
+                    result = await self.env_pool.run(fn, args, kwargs, timeout=timeout, what=what)
+                    if inspect.isawaitable(result):  # a sync function that returned a coroutine
+                        left = max(timeout - (time.perf_counter() - t0), 1e-3)
+                        result = await asyncio.wait_for(result, left)
             except asyncio.TimeoutError:
                 raise AgentError(f"{what} did not return within {timeout:g} s (--train.agent_step_timeout)") from None
             except AgentError:
@@ -300,7 +537,29 @@ class EpisodeExecutor:
         self.settings = settings or AgentSettings()
         self._tokenizer_lock = threading.RLock()
         self.last_batch_sizes: list[int] = []
+        pool = getattr(self, "_env_pool", None)
+        if pool is None:
+            self._env_pool = EnvThreadPool(self.settings.env_concurrency, self.settings.max_stuck_threads,
+                                           self.env_name)
+        else:  # reconfigured: same threads (and stuck count), new limits
+            pool.configure(max_threads=self.settings.env_concurrency, max_stuck=self.settings.max_stuck_threads,
+                           env_name=self.env_name)
         return self
+
+    @property
+    def env_name(self) -> str:
+        """How errors name the environment: its class (``agent_instance_cls``) or this executor's."""
+        target = getattr(self, "agent_instance_cls", None) or type(self)
+        return f"environment class {getattr(target, '__qualname__', target)}"
+
+    @property
+    def env_pool(self) -> "EnvThreadPool":
+        """The threads this executor's synchronous environment code runs in (see :class:`EnvThreadPool`)."""
+        pool = getattr(self, "_env_pool", None)
+        if pool is None:
+            pool = self._env_pool = EnvThreadPool(self.settings.env_concurrency, self.settings.max_stuck_threads,
+                                                  self.env_name)
+        return pool
 
     async def run_episode(self, ep: Episode, ctx: EpisodeContext) -> Trajectory:
         raise NotImplementedError
@@ -313,22 +572,29 @@ class EpisodeExecutor:
         if self.tokenizer is None:
             raise AgentError(f"{type(self).__name__} was not configured (call .configure(tokenizer=...))")
         batcher = BatchingEngine(engine)
-        ctx = EpisodeContext(batcher, self.tokenizer, self.settings, getattr(self, "_tokenizer_lock", None))
+        ctx = EpisodeContext(batcher, self.tokenizer, self.settings, getattr(self, "_tokenizer_lock", None),
+                             env_pool=self.env_pool)
         await self.before_batch(ctx)
         try:
             tasks = [asyncio.ensure_future(self._one(req, sp, ctx)) for req, sp in zip(requests, sampling)]
-            if self.settings.fail_fast:
-                done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if tasks:
+                # a sample only raises with --train.agent_fail_fast or when the run must stop
+                # (EnvironmentStuckError): then the other episodes are cancelled
+                _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 for t in pending:
                     t.cancel()
                 if pending:
                     await asyncio.gather(*pending, return_exceptions=True)
                 errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+                fatal = [e for e in errors if isinstance(e, EnvironmentStuckError)]
                 if errors:
-                    raise errors[0]
-            trajs = list(await asyncio.gather(*tasks))
+                    raise (fatal or errors)[0]
+            trajs = [t.result() for t in tasks]
         finally:
             await self.after_batch(ctx)
+        stuck = float(self.env_pool.stuck)
+        for t in trajs:  # logged as rollout/agent_stuck_threads (the mean over samples is the count)
+            t.extra["agent_stuck_threads"] = stuck
         self.last_batch_sizes = list(batcher.batches)
         ok = [t for t in trajs if t.drop_reason is None]
         if ok and self.reward_source is not None:
@@ -350,6 +616,8 @@ class EpisodeExecutor:
         t0 = time.perf_counter()
         try:
             traj = await asyncio.wait_for(self.run_episode(ep, ctx), self.settings.episode_timeout)
+        except EnvironmentStuckError:
+            raise  # the run stops: never a dropped sample
         except asyncio.TimeoutError:
             err = AgentError(f"{self.name}: {sample_id(req)}: episode did not finish within "
                              f"{self.settings.episode_timeout:g} s (--train.agent_episode_timeout)")
@@ -383,7 +651,10 @@ class EpisodeExecutor:
             t.reward = r + t.reward
 
     def close(self) -> None:
-        pass
+        pool = getattr(self, "_env_pool", None)
+        if pool is not None:
+            pool.close()
+            self._env_pool = None
 
 
 # --------------------------------------------------------------------------------------------- trainer helper

@@ -41,8 +41,12 @@ vLLM's field names (:class:`~rlhforge.agents.openrlhf_compat.VLLMSamplingParams`
 ``reset`` may also return ``sampling_params`` (rlhforge: parameters of the first turn). ``states`` also carries ``finish_reason`` (of the action) and ``action_token_ids``; methods that
 accept ``**kwargs`` get ``tokenizer=`` (e.g. for :func:`chat_feedback`). Feedback returned together
 with ``done=True`` is not appended (nothing is generated after it).
-``reset``/``step`` may also be plain functions (run in a worker thread). Each call is bounded by
-``--train.agent_step_timeout`` and ``--train.agent_env_concurrency``.
+``reset``/``step`` (and ``__init__``) may also be plain functions: they run in the executor's own
+pool of daemon threads (:class:`~rlhforge.agents.episode.EnvThreadPool`), apart from generation.
+Each call is bounded by ``--train.agent_step_timeout`` and ``--train.agent_env_concurrency``; a
+plain call that hangs past the timeout fails its sample like an async one and leaves its thread
+behind (counted in ``rollout/agent_stuck_threads``; more than ``--train.agent_max_stuck_threads``
+stop the run).
 """
 
 from __future__ import annotations
@@ -94,11 +98,14 @@ class AgentExecutorBase(EpisodeExecutor):
 
 
 async def _construct(cls):
-    """``cls()``; also for an ``async def __init__`` (used by some OpenRLHF agent files)."""
-    if inspect.iscoroutinefunction(getattr(cls, "__init__", None)):
-        inst = cls.__new__(cls)
-        await inst.__init__()
-        return inst
+    """``cls()`` for an ``async def __init__`` (used by some OpenRLHF agent files)."""
+    inst = cls.__new__(cls)
+    await inst.__init__()
+    return inst
+
+
+def _new_instance(cls):
+    """``cls()`` for a plain ``__init__`` (run in an environment thread: it may block)."""
     return cls()
 
 
@@ -146,7 +153,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         from rlhforge.agents.openrlhf_compat import VLLMSamplingParams
 
         req = ep.request
-        inst = await ctx.call(_construct, self.agent_instance_cls, what="creating the environment")
+        cls = self.agent_instance_cls
+        make = _construct if inspect.iscoroutinefunction(getattr(cls, "__init__", None)) else _new_instance
+        inst = await ctx.call(make, cls, what="creating the environment")
         prompt_text = ctx.decode(req.prompt_ids)
         states = await ctx.call(inst.reset, {"observation": prompt_text, "label": req.label}, what="reset",
                                 **_extra_kwargs(inst.reset, ctx))

@@ -277,6 +277,10 @@ class RLTrainConfig:
     ``run_agent``). rlhforge-specific."""
     agent_env_concurrency: int = 64
     """Environment calls running at once (OpenAI-client agents: episodes at once). rlhforge-specific."""
+    agent_max_stuck_threads: int = 16
+    """Plain (non-async) environment calls that hung past ``agent_step_timeout`` leave their thread
+    behind (it cannot be killed; counted in ``rollout/agent_stuck_threads``); more than this many
+    stuck at once stop the run (exit 3) naming the environment class and the count. rlhforge-specific."""
     agent_openai_prefix_mismatch: Literal["error", "new_segment"] = "error"
     """OpenAI-client agents: a request whose prompt does not extend the recorded conversation fails
     the sample (``error``) or restarts the trajectory from it (``new_segment``: only the last
