@@ -77,6 +77,15 @@ class ServeRMConfig:
     ``RLHFORGE_RM_API_KEY`` environment variable if set, else no key. rlhforge-specific."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device: ``auto`` uses CUDA when present. rlhforge-specific."""
+    max_request_bytes: int = 32 * 2**20
+    """Largest request body accepted (bytes; default 32 MiB); a longer one gets HTTP 413 without being
+    parsed. Queries themselves are cut to ``--data.max_len`` tokens. rlhforge-specific."""
+    max_queue: int = 256
+    """Most requests admitted and not yet answered; one more gets HTTP 503 with a ``Retry-After``
+    header (seconds, estimated from the backlog). rlhforge-specific."""
+    graceful_shutdown_s: float = 30.0
+    """On SIGTERM/SIGINT: stop accepting connections and wait up to this many seconds for the requests
+    already received to be answered, then exit 0. rlhforge-specific."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     """uvicorn log level."""
     use_ms: bool = False
@@ -111,3 +120,9 @@ class ServeRMConfig:
             raise ConfigError(f"--port must be in 1..65535 (got {self.port})")
         if self.max_wait_ms < 0:
             raise ConfigError(f"--max_wait_ms must be >= 0 (got {self.max_wait_ms})")
+        if self.max_request_bytes < 1024:
+            raise ConfigError(f"--max_request_bytes must be >= 1024 (got {self.max_request_bytes})")
+        if self.max_queue < 1:
+            raise ConfigError(f"--max_queue must be >= 1 (got {self.max_queue})")
+        if not self.graceful_shutdown_s >= 0:
+            raise ConfigError(f"--graceful_shutdown_s must be >= 0 (got {self.graceful_shutdown_s})")

@@ -7,20 +7,38 @@
 
 ``query[i]`` is the whole text to score (prompt + response, already chat-formatted). It is
 tokenised like the reward model's training sequences (:func:`rlhforge.models.reward.encode_reward_text`:
-EOS appended unless present, truncated to ``max_len``), and the reward is the value head at the last
-token. ``rewards`` and ``scores`` are the same list (normalised to ``(r - mean) / std`` with
-``normalize``); ``extra_logs.raw_reward`` always holds the unnormalised rewards.
+EOS appended unless present, truncated to ``max_len`` tokens keeping the start; a text far longer
+than ``max_len`` tokens is cut before tokenising, see :meth:`RewardScorer.encode`), and the reward
+is the value head at the last token. ``rewards`` and ``scores`` are the same list (normalised to
+``(r - mean) / std`` with ``normalize``); ``extra_logs.raw_reward`` always holds the unnormalised rewards.
 
 ``GET /health`` returns ``{"status": "ok", ...}`` with request/batch counters (no key needed).
 
-Batching: requests are queued; a batcher pools the queries of every request that arrives within
-``max_wait_ms`` of the first (up to ``batch_size`` queries), runs them sorted by length in forward
-passes of at most ``batch_size`` sequences on one worker thread, and answers each request with
-its own slice. The event loop stays responsive while the model runs.
+Every request is checked on its own before it joins a batch, so a bad one never touches the
+requests batched with it:
 
-Errors: a body that is not JSON, not an object, without a ``query`` list of strings, or with
-``prompts``/``labels`` of another length gets ``400 {"error": "<reason>"}``; a missing or wrong API
-key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``) gets 401; a failure in the model gets 500.
+- 401: missing or wrong API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``);
+- 503 with ``Retry-After`` (seconds): ``max_queue`` requests are already admitted and unanswered;
+- 413: the body is longer than ``max_request_bytes`` (checked against ``Content-Length`` before
+  reading, and while reading; the body is never parsed);
+- 400 ``{"error": "<reason>"}``: not JSON (bad syntax or encoding, nesting too deep, an integer
+  with more than 4300 digits), not an object, no ``query`` list of strings, a query that is not
+  valid Unicode (a lone surrogate such as ``"\ud800"``), ``prompts``/``labels`` not lists of the
+  same length, a query the tokenizer refuses;
+- 500: the model failed on this request (a failed batch is re-run request by request, so only the
+  requests that fail themselves get it), or produced a non-finite reward.
+
+Every answer is a complete HTTP response, so a keep-alive connection stays usable after an error
+(except a 413 for a body that was not read, which closes it when the body is more than 4x the limit
+or of unknown length).
+
+Batching: parsing and tokenising run on one worker thread, the model on another; a batcher pools
+the queries of every request that arrives within ``max_wait_ms`` of the first (up to
+``batch_size`` queries), runs them sorted by length in forward passes of at most ``batch_size``
+sequences, and answers each request with its own slice. The event loop stays responsive meanwhile.
+
+Shutdown (``rlhforge serve-rm``): SIGTERM or SIGINT stops accepting connections, finishes every
+request already received (up to ``--graceful_shutdown_s``), then exits with status 0.
 
 :func:`start_server_thread` runs a server in a background thread (tests, in-process use).
 """
@@ -32,6 +50,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,9 +59,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["RewardScorer", "create_app", "start_server_thread", "ServerHandle", "serve"]
+__all__ = ["RewardScorer", "create_app", "start_server_thread", "ServerHandle", "serve", "DEFAULT_MAX_REQUEST_BYTES",
+           "DEFAULT_MAX_QUEUE"]
 
 logger = logging.getLogger(__name__)
+
+#: default ``--max_request_bytes`` (32 MiB) and ``--max_queue``
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+DEFAULT_MAX_QUEUE = 256
 
 
 class RewardScorer:
@@ -92,15 +116,33 @@ class RewardScorer:
                    packed=cfg.ds.packing_samples, device=device, dtype=dtype,
                    value_head_prefix=cfg.ds.value_head_prefix, normalize=normalize)
 
-    @torch.no_grad()
-    def score(self, texts: list[str]) -> tuple[list[float], list[float]]:
-        """(rewards, raw rewards) of ``texts``, in order. Rewards are normalised if asked for."""
-        from rlhforge.data.packing import collate_packed, collate_padded
-        from rlhforge.models.reward import encode_reward_text, sequence_rewards
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as :func:`~rlhforge.models.reward.encode_reward_text` gives them, without
+        tokenising more of a long text than the ``max_len`` tokens kept need: a prefix of
+        ``8 * max_len`` characters (x4 until it yields ``max_len + 16`` tokens, or is the whole text)
+        is tokenised instead. The 16 tokens beyond the kept ones absorb the effect of the cut on
+        the last words, so the ids are those of the whole text."""
+        from rlhforge.models.reward import encode_reward_text
 
-        if not texts:
+        limit = max(1024, 8 * self.max_len)
+        while len(text) > limit:
+            ids = encode_reward_text(self.tokenizer, text[:limit], 2**62)  # untruncated
+            if len(ids) >= self.max_len + 16:
+                ids = ids[: self.max_len]
+                if self.tokenizer.eos_token_id is not None:
+                    ids[-1] = self.tokenizer.eos_token_id
+                return ids
+            limit *= 4
+        return encode_reward_text(self.tokenizer, text, self.max_len)
+
+    @torch.no_grad()
+    def score_ids(self, ids: list[list[int]]) -> tuple[list[float], list[float]]:
+        """(rewards, raw rewards) of token-id sequences, in order. Rewards are normalised if asked for."""
+        from rlhforge.data.packing import collate_packed, collate_padded
+        from rlhforge.models.reward import sequence_rewards
+
+        if not ids:
             return [], []
-        ids = [encode_reward_text(self.tokenizer, t, self.max_len) for t in texts]
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         raw = [0.0] * len(ids)
         for start in range(0, len(order), self.batch_size):
@@ -117,6 +159,10 @@ class RewardScorer:
         mean, std = self.normalize
         return [(r - mean) / std for r in raw], raw
 
+    def score(self, texts: list[str]) -> tuple[list[float], list[float]]:
+        """(rewards, raw rewards) of ``texts``, in order (:meth:`encode`, then :meth:`score_ids`)."""
+        return self.score_ids([self.encode(t) for t in texts])
+
 
 def _autocast(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
@@ -124,19 +170,35 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-class _BadRequest(ValueError):
-    pass
+class _Rejected(Exception):
+    """A request answered with ``status`` before it reaches the model."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+
+
+class _BadRequest(_Rejected):
+    def __init__(self, message: str):
+        super().__init__(400, message)
 
 
 def _parse_request(body: bytes) -> tuple[list[str], list | None, list | None]:
+    """The request's (query, prompts, labels); :class:`_BadRequest` (400) for any malformed body."""
     try:
         payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except RecursionError:
+        raise _BadRequest("malformed JSON: nested too deeply") from None
+    except json.JSONDecodeError as err:
+        raise _BadRequest(f"malformed JSON: {err}") from None
+    except UnicodeDecodeError as err:
+        raise _BadRequest(f"malformed JSON: the body is not UTF-8/16/32 text ({err.reason} at byte {err.start})") from None
+    except ValueError as err:  # e.g. an integer over Python's 4300-digit conversion limit
         raise _BadRequest(f"malformed JSON: {err}") from None
     if not isinstance(payload, dict):
         raise _BadRequest(f"expected a JSON object with a 'query' list, got {type(payload).__name__}")
     if "query" not in payload:
-        raise _BadRequest(f"missing 'query' (a list of strings); keys given: {sorted(payload)}")
+        raise _BadRequest(f"missing 'query' (a list of strings); keys given: {sorted(payload)[:20]}")
     query = payload["query"]
     if isinstance(query, str):
         raise _BadRequest("'query' must be a list of strings, got a single string (wrap it in a list)")
@@ -145,6 +207,11 @@ def _parse_request(body: bytes) -> tuple[list[str], list | None, list | None]:
     for i, q in enumerate(query):
         if not isinstance(q, str):
             raise _BadRequest(f"'query'[{i}] must be a string, got {type(q).__name__}")
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise _BadRequest(f"'query'[{i}] is not valid Unicode: {err.reason} (U+{ord(q[err.start]):04X} at "
+                              f"character {err.start})") from None
     extras = []
     for key in ("prompts", "labels"):
         value = payload.get(key)
@@ -158,17 +225,18 @@ def _parse_request(body: bytes) -> tuple[list[str], list | None, list | None]:
 
 
 class _Batcher:
-    """Pools queries of concurrent requests into forward passes on one worker thread."""
+    """Pools token ids of concurrent requests into forward passes on one worker thread."""
 
     def __init__(self, scorer: RewardScorer, max_batch: int, max_wait_s: float):
         self.scorer, self.max_batch, self.max_wait_s = scorer, max_batch, max_wait_s
         self.queue: asyncio.Queue | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-model")
         self.counters = {"requests": 0, "queries": 0, "batches": 0}
+        self.seconds_per_query = 0.0  # moving average, for Retry-After
 
-    async def submit(self, texts: list[str]) -> tuple[list[float], list[float]]:
+    async def submit(self, ids: list[list[int]]) -> tuple[list[float], list[float]]:
         future = asyncio.get_running_loop().create_future()
-        await self.queue.put((texts, future))
+        await self.queue.put((ids, future))
         return await future
 
     async def run(self) -> None:
@@ -185,17 +253,20 @@ class _Batcher:
                     break
                 items.append(item)
                 total += len(item[0])
-            texts = [t for batch, _ in items for t in batch]
+            ids = [x for batch, _ in items for x in batch]
+            started = time.monotonic()
             try:
-                rewards, raw = await loop.run_in_executor(self.executor, self.scorer.score, texts)
-            except Exception as err:  # noqa: BLE001 - forwarded to every waiting request
-                logger.exception("reward model failed on a batch of %d queries", len(texts))
-                for _, future in items:
-                    if not future.done():
-                        future.set_exception(err)
+                rewards, raw = await loop.run_in_executor(self.executor, self.scorer.score_ids, ids)
+            except Exception:  # noqa: BLE001 - re-run request by request: only the culprits fail
+                logger.exception("reward model failed on a batch of %d queries from %d requests; re-running them "
+                                 "one request at a time", len(ids), len(items))
+                await self._one_by_one(loop, items)
                 continue
+            per_query = (time.monotonic() - started) / max(1, len(ids))
+            self.seconds_per_query = per_query if not self.seconds_per_query else \
+                0.8 * self.seconds_per_query + 0.2 * per_query
             self.counters["requests"] += len(items)
-            self.counters["queries"] += len(texts)
+            self.counters["queries"] += len(ids)
             self.counters["batches"] += 1
             offset = 0
             for batch, future in items:
@@ -204,14 +275,56 @@ class _Batcher:
                     future.set_result((rewards[offset : offset + n], raw[offset : offset + n]))
                 offset += n
 
+    async def _one_by_one(self, loop, items) -> None:
+        for batch, future in items:
+            try:
+                result = await loop.run_in_executor(self.executor, self.scorer.score_ids, batch)
+            except Exception as err:  # noqa: BLE001 - this request's own failure
+                if not future.done():
+                    future.set_exception(err)
+                continue
+            self.counters["requests"] += 1
+            self.counters["queries"] += len(batch)
+            self.counters["batches"] += 1
+            if not future.done():
+                future.set_result(result)
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The request body, refusing (413) more than ``limit`` bytes without parsing any of it."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise _Rejected(400, f"invalid Content-Length {declared[:40]!r}", {"Connection": "close"}) from None
+        if size > limit:
+            close = {"Connection": "close"} if size > 4 * limit else {}
+            raise _Rejected(413, f"request body of {size} bytes is over this server's limit of {limit} bytes "
+                                 "(--max_request_bytes); send fewer or shorter queries per request", close)
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise _Rejected(413, f"request body is over this server's limit of {limit} bytes (--max_request_bytes); "
+                                 "send fewer or shorter queries per request", {"Connection": "close"})
+        chunks.append(chunk)
+    return b"".join(chunks)
+
 
 def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: int = 32, max_wait_ms: float = 5.0,
-               model_name: str = ""):
-    """The FastAPI application (routes and batching as in the module docstring)."""
+               model_name: str = "", max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_queue: int = DEFAULT_MAX_QUEUE):
+    """The FastAPI application (routes, checks and batching as in the module docstring)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
+    if max_request_bytes < 1 or max_queue < 1:
+        raise ValueError(f"max_request_bytes and max_queue must be >= 1 (got {max_request_bytes}, {max_queue})")
     batcher = _Batcher(scorer, max_batch, max_wait_ms / 1000.0)
+    prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-prep")  # one tokenizer user at a time
+    state = {"in_flight": 0, "in_flight_queries": 0}
+    status_counts = {"400": 0, "401": 0, "413": 0, "500": 0, "503": 0}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -224,6 +337,7 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: i
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             batcher.executor.shutdown(wait=False)
+            prep.shutdown(wait=False)
 
     app = FastAPI(title="rlhforge reward server", lifespan=lifespan)
     app.state.batcher = batcher
@@ -237,24 +351,62 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: i
             given = auth[7:].strip()
         return hmac.compare_digest(given.encode(), api_key.encode())
 
+    def error(status: int, message: str, headers: dict[str, str] | None = None):
+        status_counts[str(status)] = status_counts.get(str(status), 0) + 1
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    def prepare(body: bytes) -> list[list[int]]:
+        query, _prompts, _labels = _parse_request(body)
+        ids = []
+        for i, text in enumerate(query):
+            try:
+                ids.append(scorer.encode(text))
+            except Exception as err:  # noqa: BLE001 - this query's own problem
+                raise _BadRequest(f"'query'[{i}] could not be tokenised: {type(err).__name__}: {err}") from None
+        return ids
+
+    def retry_after() -> str:
+        backlog = state["in_flight_queries"] * batcher.seconds_per_query
+        return str(min(60, max(1, math.ceil(backlog))))
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "normalize": scorer.normalize is not None, **batcher.counters}
+        return {"status": "ok", "model": model_name, "normalize": scorer.normalize is not None, **batcher.counters,
+                "in_flight": state["in_flight"], "max_queue": max_queue, "max_request_bytes": max_request_bytes,
+                "max_len": scorer.max_len, "errors": dict(status_counts)}
 
     @app.post("/get_reward")
     async def get_reward(request: Request):
         if not authorised(request):
-            return JSONResponse({"error": "missing or invalid API key (send 'Authorization: Bearer KEY')"},
-                                status_code=401)
+            return error(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+        if state["in_flight"] >= max_queue:
+            return error(503, f"server busy: {state['in_flight']} requests queued (--max_queue {max_queue}); retry "
+                              "later", {"Retry-After": retry_after()})
+        state["in_flight"] += 1
+        n_queries = 0
         try:
-            query, _prompts, _labels = _parse_request(await request.body())
-        except _BadRequest as err:
-            return JSONResponse({"error": str(err)}, status_code=400)
-        try:
-            rewards, raw = await batcher.submit(query)
-        except Exception as err:  # noqa: BLE001
-            return JSONResponse({"error": f"reward model failed: {type(err).__name__}: {err}"}, status_code=500)
-        return {"rewards": rewards, "scores": rewards, "extra_logs": {"raw_reward": raw}}
+            body = await _read_body(request, max_request_bytes)
+            ids = await asyncio.get_running_loop().run_in_executor(prep, prepare, body)
+            if not ids:
+                return {"rewards": [], "scores": [], "extra_logs": {"raw_reward": []}}
+            n_queries = len(ids)
+            state["in_flight_queries"] += n_queries
+            try:
+                rewards, raw = await batcher.submit(ids)
+            except Exception as err:  # noqa: BLE001 - the model failed on this request itself
+                return error(500, f"reward model failed: {type(err).__name__}: {err}")
+            bad = next((i for i, r in enumerate(raw) if not math.isfinite(r)), None)
+            if bad is not None:
+                return error(500, f"reward model produced a non-finite reward ({raw[bad]}) for 'query'[{bad}]")
+            return {"rewards": rewards, "scores": rewards, "extra_logs": {"raw_reward": raw}}
+        except _Rejected as err:
+            return error(err.status, str(err), err.headers)
+        except Exception as err:  # noqa: BLE001 - never an unanswered request (keeps the connection usable)
+            logger.exception("reward server: unexpected failure")
+            return error(500, f"internal error: {type(err).__name__}: {err}")
+        finally:
+            state["in_flight"] -= 1
+            state["in_flight_queries"] -= n_queries
 
     return app
 
@@ -312,12 +464,16 @@ def start_server_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: fl
 
 
 def serve(cfg) -> None:
-    """Load the model of ``cfg`` (:class:`ServeRMConfig`) and serve until interrupted."""
+    """Load the model of ``cfg`` (:class:`ServeRMConfig`) and serve until SIGTERM/SIGINT, which finish the
+    requests already received (up to ``cfg.graceful_shutdown_s``) and return normally."""
+    import signal
+
     import uvicorn
 
     scorer = RewardScorer.from_config(cfg)
     app = create_app(scorer, api_key=cfg.resolved_api_key, max_batch=cfg.resolved_batch_size,
-                     max_wait_ms=cfg.max_wait_ms, model_name=cfg.reward.model_name_or_path)
+                     max_wait_ms=cfg.max_wait_ms, model_name=cfg.reward.model_name_or_path,
+                     max_request_bytes=cfg.max_request_bytes, max_queue=cfg.max_queue)
     norm = f", normalised with mean {scorer.normalize[0]:.4g} std {scorer.normalize[1]:.4g}" if scorer.normalize else ""
     print(f"[rlhforge] serve-rm: {cfg.reward.model_name_or_path} on {scorer.device}{norm}; "
           f"POST http://{cfg.host}:{cfg.port}/get_reward"
@@ -325,4 +481,17 @@ def serve(cfg) -> None:
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.resolved_api_key:
         print(f"[rlhforge] serve-rm: warning: listening on {cfg.host} without an API key; anyone who can reach this "
               "port can query the model", flush=True)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    # uvicorn handles SIGTERM/SIGINT (graceful shutdown) and afterwards re-raises the signal to the
+    # handler that was installed before it; make that one a no-op so that a requested stop exits 0.
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                    timeout_graceful_shutdown=cfg.graceful_shutdown_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        print(f"[rlhforge] serve-rm: stopped ({signal.Signals(received[0]).name}) after finishing the requests in "
+              "flight", flush=True)
