@@ -9,6 +9,7 @@ import torch
 
 from rlhforge.backend.device import dist_info, resolve_device, resolve_dtype, single_process_env
 from rlhforge.backend.optim import build_optimizer, build_scheduler, optimizer_param_groups
+from rlhforge.backend.guards import all_ranks_finite, grads_finite, poison_nonfinite
 from rlhforge.backend.strategy import all_reduce_tensor
 
 
@@ -91,14 +92,20 @@ class DeepSpeedStrategy:
         # The number of micro-batches per step may vary (token budgets): we own the boundary and the
         # loss scaling (the trainer already divided by the global count), so no 1/GAS here.
         self.engine.set_gradient_accumulation_boundary(is_last_micro_batch)
-        self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.backward(poison_nonfinite(loss), scale_wrt_gas=False)
 
     def step(self) -> dict[str, float]:
+        """Non-finite steps are skipped (optimizer and scheduler untouched): ZeRO 1-3 detect them
+        themselves (their overflow check on the reduced, partitioned gradients, agreed over ranks);
+        ZeRO-0 has no such check, so its full local gradients are checked here first."""
         lr = self.scheduler.get_last_lr()[0]
+        if self.ds_cfg.zero_stage == 0 and not all_ranks_finite(grads_finite(self.engine.module), self.all_reduce):
+            self.engine.zero_grad()
+            return {"grad_norm": float("nan"), "lr": float(lr), "skipped": 1.0}
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
-        return {"grad_norm": norm, "lr": float(lr)}
+        return {"grad_norm": norm, "lr": float(lr), "skipped": 0.0 if self.engine.was_step_applied() else 1.0}
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return all_reduce_tensor(tensor, op, self.world_size)

@@ -23,6 +23,8 @@ import torch
 
 from rlhforge.backend.device import dist_info, init_process_group, resolve_device, resolve_dtype, single_process_env
 from rlhforge.backend.optim import build_optimizer, build_scheduler
+from rlhforge.backend.checkpoint import torch_save
+from rlhforge.backend.guards import poison_nonfinite
 from rlhforge.backend.strategy import all_reduce_tensor, barrier, clip_and_step
 
 
@@ -77,10 +79,10 @@ class FSDP2Strategy:
 
     def backward(self, loss: torch.Tensor, is_last_micro_batch: bool = True) -> None:
         self.model.set_requires_gradient_sync(is_last_micro_batch)
-        loss.backward()
+        poison_nonfinite(loss).backward()
 
     def step(self) -> dict[str, float]:
-        return clip_and_step(self.model, self.optimizer, self.scheduler, self.optim_cfg.max_norm)
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.optim_cfg.max_norm, self.all_reduce)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return all_reduce_tensor(tensor, op, self.world_size)
@@ -116,7 +118,7 @@ class FSDP2Strategy:
         model_state = self.full_state_dict()
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
         if self.is_rank0:
-            torch.save({"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()},
+            torch_save({"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()},
                        Path(directory) / "fsdp2_state.pt")
         self.barrier()
 

@@ -37,7 +37,8 @@ class Strategy(Protocol):
     def backward(self, loss: torch.Tensor, is_last_micro_batch: bool) -> None: ...
 
     def step(self) -> dict[str, float]:
-        """Clip, optimizer step, scheduler step, zero grads; returns ``grad_norm`` and ``lr``."""
+        """Clip, optimizer step, scheduler step, zero grads; returns ``grad_norm``, ``lr`` and ``skipped``
+        (1.0: the loss or the gradient norm was not finite on some rank, so nothing was stepped)."""
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
 
@@ -86,15 +87,21 @@ def barrier(world_size: int) -> None:
         dist.barrier()
 
 
-def clip_and_step(module: torch.nn.Module, optimizer, scheduler, max_norm: float) -> dict[str, float]:
+def clip_and_step(module: torch.nn.Module, optimizer, scheduler, max_norm: float, all_reduce=None) -> dict[str, float]:
     """Clip the global grad norm (0: no clipping), step optimizer and scheduler, zero the grads.
-    Works for plain and DTensor (FSDP2) parameters. Returns the pre-clip norm and the lr used."""
+    Works for plain and DTensor (FSDP2) parameters. Returns the pre-clip norm, the lr used and
+    ``skipped``: 1.0 when the norm is not finite on some rank (``all_reduce``: the strategy's), in
+    which case neither the optimizer nor the scheduler steps (:mod:`rlhforge.backend.guards`)."""
+    from rlhforge.backend.guards import all_ranks_finite
+
     params = [p for p in module.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
+    finite = all_ranks_finite(norm, all_reduce)
+    if finite:
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": float(norm), "lr": float(lr)}
+    return {"grad_norm": float(norm), "lr": float(lr), "skipped": 0.0 if finite else 1.0}

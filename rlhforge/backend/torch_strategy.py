@@ -9,6 +9,8 @@ import torch
 
 from rlhforge.backend.device import dist_info, init_process_group, resolve_device, resolve_dtype
 from rlhforge.backend.optim import build_optimizer, build_scheduler
+from rlhforge.backend.checkpoint import torch_save
+from rlhforge.backend.guards import poison_nonfinite
 from rlhforge.backend.strategy import all_reduce_tensor, barrier, clip_and_step
 
 
@@ -59,10 +61,10 @@ class TorchStrategy:
     def backward(self, loss: torch.Tensor, is_last_micro_batch: bool = True) -> None:
         # DDP averages gradients over ranks when the last micro-batch's backward runs.
         with self.no_sync(is_last_micro_batch):
-            loss.backward()
+            poison_nonfinite(loss).backward()
 
     def step(self) -> dict[str, float]:
-        return clip_and_step(self._module, self.optimizer, self.scheduler, self.optim_cfg.max_norm)
+        return clip_and_step(self._module, self.optimizer, self.scheduler, self.optim_cfg.max_norm, self.all_reduce)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return all_reduce_tensor(tensor, op, self.world_size)
@@ -82,7 +84,7 @@ class TorchStrategy:
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
             }
-            torch.save(state, Path(directory) / "torch_state.pt")
+            torch_save(state, Path(directory) / "torch_state.pt")
 
     def load_state(self, directory: Path) -> None:
         path = Path(directory) / "torch_state.pt"

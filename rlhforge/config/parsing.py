@@ -331,9 +331,16 @@ def save_yaml(cfg: Any, path: str | Path) -> None:
     Secrets (API keys) are not written: pass them again by flag or environment variable."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException as err:  # no half-written config.yaml.tmp left behind; config.yaml stays as it was
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno is not None and not err.filename:
+            raise OSError(err.errno, f"{err.strerror} (writing {path})", str(tmp)) from err
+        raise
 
 
 def parse_args(

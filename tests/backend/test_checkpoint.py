@@ -38,3 +38,42 @@ def test_latest_marker_wins_and_falls_back(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_1"
     (tmp_path / "latest").write_text("step_7")  # points at something gone: newest complete one
     assert latest_checkpoint(tmp_path).name == "step_2"
+
+
+def test_partial_saves_are_removed_and_complete_ones_kept(tmp_path):
+    from rlhforge.backend.checkpoint import remove_partial_saves
+
+    _fake(tmp_path, 2)
+    (tmp_path / "latest").write_text("step_2")
+    (tmp_path / "step_3.tmp").mkdir()  # a save killed half-way
+    (tmp_path / "step_3.tmp" / "torch_state.pt").write_bytes(b"\0" * 10)
+    (tmp_path / ".latest.tmp999").write_text("")  # a marker write killed half-way
+    (tmp_path / "notes.tmp").write_text("not ours")
+    assert remove_partial_saves(tmp_path) == [".latest.tmp999", "step_3.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes.tmp", "step_2"]
+    assert latest_checkpoint(tmp_path).name == "step_2"
+    assert remove_partial_saves(tmp_path / "missing") == []
+
+
+def test_failed_checkpoint_write_raises_naming_the_folder_and_keeps_latest(tmp_path):
+    """An OS error in the middle of a save (here: the step folder's path runs through a regular file,
+    ENOTDIR, for the rank-0 mkdir) is a CheckpointWriteError naming the folder and the errno."""
+    import pytest
+
+    from rlhforge.backend.checkpoint import CheckpointWriteError, save_checkpoint
+
+    class Strategy:
+        rank, world_size, is_rank0 = 0, 1, True
+
+        def barrier(self):
+            pass
+
+        def save_state(self, directory):
+            raise AssertionError("not reached: the folder could not be made")
+
+    (tmp_path / "file").write_text("x")
+    root = tmp_path / "file" / "ckpts"
+    with pytest.raises(CheckpointWriteError) as err:
+        save_checkpoint(Strategy(), root, 3, {"global_step": 3})
+    assert f"could not write checkpoint {root / 'step_3.tmp'}" in str(err.value)
+    assert "[ENOTDIR]" in str(err.value) and "no earlier checkpoint exists" in str(err.value)
