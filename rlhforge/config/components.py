@@ -161,6 +161,14 @@ class TrainConfig:
     """Use deterministic algorithms (slower)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device: ``auto`` uses CUDA when present, else CPU. rlhforge-specific."""
+    preempt_grace_s: float = 120.0
+    """SIGTERM/SIGINT: wait at most this many seconds for the current step to end, then save a
+    checkpoint and exit (143 / 130); if the step does not end in time, exit without saving (the last
+    good checkpoint stays). 0: wait however long the step takes. rlhforge-specific; docs/reliability.md."""
+    max_skipped_steps_in_row: int = 3
+    """Optimizer steps with a non-finite loss or gradient norm are skipped (counted in
+    ``train/skipped_steps``); this many in a row stop the run (exit 5) naming the last good
+    checkpoint. 0: never stop. rlhforge-specific; docs/reliability.md."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +235,12 @@ class CkptConfig:
     max_mem: int = 100_000_000
     """Disk budget (GB) for resumable checkpoints: the oldest are removed while the total exceeds it."""
     load_enable: bool = False
-    """Resume from the latest checkpoint in ``ckpt.path`` if one exists."""
+    """Resume from the latest checkpoint in ``ckpt.path`` if one exists (a missing or empty folder
+    starts from scratch with a notice)."""
+    allow_config_change: bool = False
+    """Resume even when settings that break exact resumption (data, global batch sizes, seed,
+    epochs/steps, model paths) differ from the checkpoint's config (refused with exit 2 otherwise).
+    rlhforge-specific; docs/reliability.md."""
 
 
 @dataclass(frozen=True)

@@ -244,6 +244,15 @@ class RLTrainConfig:
     """Use deterministic algorithms."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the workers (auto: cuda when available). rlhforge-specific."""
+    preempt_grace_s: float = 120.0
+    """SIGTERM/SIGINT to the driver: wait at most this many seconds for the current RL step to end,
+    then save a checkpoint (through the worker groups) and exit (143 / 130); if the step does not end
+    in time, exit without saving (the last good checkpoint stays). 0: no limit. rlhforge-specific;
+    docs/reliability.md."""
+    max_skipped_steps_in_row: int = 3
+    """Optimizer steps (actor or critic) with a non-finite loss or gradient norm are skipped (counted
+    in ``train/skipped_steps``); this many in a row of one model stop the run (exit 5) naming the
+    last good checkpoint. 0: never stop. rlhforge-specific; docs/reliability.md."""
     workers: Literal["auto", "local", "ray"] = "auto"
     """Where the models run: ``local`` (all in this process), ``ray`` (Ray actor groups, one per
     model, ``num_nodes x num_gpus_per_node`` ranks each), ``auto`` (ray when any group has more than

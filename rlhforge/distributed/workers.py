@@ -233,7 +233,7 @@ class ActorWorker(_TrainableWorker):
                 weighted[name] = weighted.get(name, 0.0) + float(value) * weight
         stats = strategy.step()
         out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
-        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"])
+        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"], skipped=stats.get("skipped", 0.0))  # 1: not finite
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -361,5 +361,5 @@ class CriticWorker(_TrainableWorker):
             weighted["values_mean"] += float(metrics["values_mean"]) * weight
         stats = strategy.step()
         out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
-        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"])
+        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"], skipped=stats.get("skipped", 0.0))  # 1: not finite
         return out

@@ -50,10 +50,11 @@ def is_eval_step(step: int, steps_per_epoch: int, eval_steps: int, total_steps: 
     )
 
 
-def save_step_checkpoint(strategy, ckpt_cfg, step: int, trainer_state: dict, export):
+def save_step_checkpoint(strategy, ckpt_cfg, step: int, trainer_state: dict, export, config: dict | None = None):
     """A checkpoint as ``--ckpt.*`` asks: resumable state (plus ``hf/`` with ``save_hf``), or with
     ``disable_ds`` only an HF export at ``<ckpt.path>/step_N_hf`` (or nothing without ``save_hf``).
-    ``export(dir)`` writes the HF folder; all ranks call this."""
+    ``export(dir)`` writes the HF folder; ``config`` (``to_dict(cfg)``) is kept for the resume
+    check; all ranks call this."""
     from pathlib import Path
 
     from rlhforge.backend.checkpoint import save_checkpoint
@@ -65,19 +66,24 @@ def save_step_checkpoint(strategy, ckpt_cfg, step: int, trainer_state: dict, exp
         export(path)
         return path
     return save_checkpoint(strategy, ckpt_cfg.path, step, trainer_state, max_num=ckpt_cfg.max_num,
-                           max_mem_gb=ckpt_cfg.max_mem, export_hf=export if ckpt_cfg.save_hf else None)
+                           max_mem_gb=ckpt_cfg.max_mem, export_hf=export if ckpt_cfg.save_hf else None, config=config)
 
 
-def resume_trainer_state(strategy, ckpt_cfg, logger) -> dict | None:
-    """With ``--ckpt.load_enable`` and a checkpoint in ``ckpt.path``: restore the strategy and RNG,
-    cut ``metrics.jsonl`` back to the checkpoint's step and return the trainer state dict."""
-    from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint
+def resume_trainer_state(strategy, ckpt_cfg, logger, cfg=None) -> dict | None:
+    """With ``--ckpt.load_enable`` and a checkpoint in ``ckpt.path``: check ``cfg`` against the
+    checkpoint's config (:mod:`rlhforge.trainers.resume`), restore the strategy and RNG, cut
+    ``metrics.jsonl`` back to the checkpoint's step and return the trainer state dict. None (after
+    one notice line) when there is nothing to resume."""
+    from rlhforge.backend.checkpoint import load_checkpoint
+    from rlhforge.config.parsing import to_dict
+    from rlhforge.trainers.resume import check_resume_config, find_resume_checkpoint
 
-    if not ckpt_cfg.load_enable:
-        return None
-    path = latest_checkpoint(ckpt_cfg.path)
+    log = print if strategy.is_rank0 else (lambda *_a, **_k: None)
+    path = find_resume_checkpoint(ckpt_cfg, strategy.is_rank0, log)
     if path is None:
         return None
+    if cfg is not None:
+        check_resume_config(path, to_dict(cfg), ckpt_cfg.allow_config_change, log)
     state = load_checkpoint(strategy, path)
     logger.truncate_after(int(state["global_step"]))
     if strategy.is_rank0:
@@ -91,6 +97,15 @@ def indices_for_step(global_step: int, plan, num_samples: int, seed: int, strate
     epoch, step_in_epoch = divmod(global_step, plan.steps_per_epoch)
     order = epoch_order(num_samples, seed, epoch)
     return epoch, step_in_epoch, step_indices(order, step_in_epoch, plan.batch_size, strategy.rank, strategy.world_size)
+
+
+def batch_record(global_step: int, plan, num_samples: int, seed: int) -> dict:
+    """Which samples optimizer step ``global_step`` (0-based) trained on, over all ranks: its epoch, its
+    position in the epoch and the indices into the training samples (``skipped_steps.jsonl``)."""
+    epoch, step_in_epoch = divmod(global_step, plan.steps_per_epoch)
+    order = epoch_order(num_samples, seed, epoch)
+    batch = order[step_in_epoch * plan.batch_size : (step_in_epoch + 1) * plan.batch_size]
+    return {"epoch": epoch, "step_in_epoch": step_in_epoch, "sample_indices": list(batch)}
 
 
 def step_timing(metrics: dict, epoch: int, step_in_epoch: int, steps_per_epoch: int, elapsed: float,

@@ -39,7 +39,9 @@ from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
 from rlhforge.models.export import save_hf
 from rlhforge.models.forward import sequence_logprob_sums, token_logprobs
+from rlhforge.config.parsing import to_dict
 from rlhforge.trainers.common import (
+    batch_record,
     indices_for_step,
     is_eval_step,
     micro_batches,
@@ -49,6 +51,7 @@ from rlhforge.trainers.common import (
     step_timing,
 )
 from rlhforge.trainers.rm import pair_mean_share
+from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -167,6 +170,8 @@ class DPOTrainer:
         self.train_samples, self.eval_samples = train_samples, eval_samples
         self.plan, self.logger = plan, logger
         self.state = DPOState()
+        self.guard = guard_for(cfg, strategy)  # preemption, non-finite steps, checkpoint write errors
+        self.step_skipped = False  # the last optimizer step was skipped (non-finite loss or gradient norm)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def _collate(self, samples):
@@ -230,6 +235,11 @@ class DPOTrainer:
         bar = Progress(plan.total_steps, self.state.global_step,
                        enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="dpo")
         strategy.train()
+        with self.guard:
+            self._loop(bar)
+
+    def _loop(self, bar) -> None:
+        cfg, strategy, plan = self.cfg, self.strategy, self.plan
         while self.state.global_step < plan.total_steps:
             epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
                                                              cfg.train.seed, strategy)
@@ -237,6 +247,9 @@ class DPOTrainer:
             metrics = self.train_step(indices)
             self.state.global_step += 1
             step = self.state.global_step
+            self.guard.record(step, self.step_skipped, grad_norm=metrics["train/grad_norm"],
+                              batch=lambda: batch_record(step - 1, plan, len(self.train_samples), cfg.train.seed))
+            metrics.update(self.guard.metrics())
             metrics.update(step_timing(metrics, epoch, step_in_epoch, plan.steps_per_epoch, time.perf_counter() - start,
                                        per_s=('pairs', 'tokens')))
             if is_eval_step(step, plan.steps_per_epoch, cfg.eval.steps, plan.total_steps):
@@ -248,6 +261,8 @@ class DPOTrainer:
                        margin=metrics["train/reward_margin"], lr=metrics["train/lr"])
             if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
                 self.save_checkpoint()
+            self.guard.after_step(step, self.save_checkpoint)
+        self.guard.finished()
         bar.close()
         if cfg.ckpt.save_steps > 0:
             self.save_checkpoint()
@@ -270,6 +285,7 @@ class DPOTrainer:
                 if not is_dummy:
                     totals += t
         stats = strategy.step()
+        self.step_skipped = bool(stats.get("skipped", 0.0))
         totals = strategy.all_reduce(totals, op="sum")
         metrics = self._metrics(totals, global_pairs, "train", cfg.model.nll_loss_coef > 0)
         metrics.update({"train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"]})
@@ -300,10 +316,13 @@ class DPOTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
-        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, self.state.as_dict(),
+        state = {**self.state.as_dict(), "faults": self.guard.state_dict()}
+        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, state,
+                                    config=to_dict(self.cfg),
                                     export=lambda d: save_hf(self.strategy, self.tokenizer, d))
 
     def _maybe_resume(self) -> None:
-        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger)
+        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg)
         if state is not None:
+            self.guard.load_state_dict(state.get("faults"))
             self.state = DPOState(global_step=int(state["global_step"]))

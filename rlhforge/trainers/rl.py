@@ -28,7 +28,6 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,12 +44,11 @@ from rlhforge.algorithms import (
     overlong_penalty,
     stop_properly_penalty,
 )
-from rlhforge.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlhforge.config.batching import RLBatchPlan
-from rlhforge.distributed.groups import GroupCheckpoint
 from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.distributed.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
+from rlhforge.trainers.rl_ckpt import RLCheckpointing, RLState, rl_guard
 from rlhforge.trainers.rl_data import PromptStream, eval_metrics
 from rlhforge.distributed.workers import PolicyLossSpec
 from rlhforge.tracking.progress import Progress, progress_enabled
@@ -66,19 +64,6 @@ def request_seed(base: int, stream_position: int, sample_index: int, salt: int =
     return ((base * 1_000_003 + salt) * 2_654_435_761 + stream_position * 7919 + sample_index) % _SEED_MOD
 
 
-@dataclass
-class RLState:
-    global_step: int = 0
-    prompt_position: int = 0
-    kl_controller: dict = field(default_factory=dict)
-    best_metric: float | None = None
-    best_step: int | None = None
-
-    def as_dict(self) -> dict:
-        return {"global_step": self.global_step, "prompt_position": self.prompt_position,
-                "kl_controller": self.kl_controller, "best_metric": self.best_metric, "best_step": self.best_step}
-
-
 def _mean(xs) -> float:
     xs = list(xs)
     return float(sum(xs) / len(xs)) if xs else 0.0
@@ -92,7 +77,7 @@ def _std(xs) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-class RLTrainer:
+class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trainers/rl_ckpt.py
     def __init__(self, cfg, tokenizer, prompts, eval_prompts, plan: RLBatchPlan, *, actor, ref, critic, engine,
                  reward_source, logger, run_dir: Path, executor=None):
         self.cfg, self.tokenizer, self.plan = cfg, tokenizer, plan
@@ -101,6 +86,7 @@ class RLTrainer:
         self.engine, self.logger, self.run_dir = engine, logger, Path(run_dir)
         self.executor = executor or SingleTurnExecutor(tokenizer, reward_source)  # agents: agents/loader.py
         self.state = RLState()
+        self.guard = rl_guard(cfg)  # SIGTERM/SIGINT, non-finite steps, checkpoint write errors (trainers/faults.py)
         kl = cfg.algo.kl
         self.kl_ctl = make_kl_controller(kl.init_coef, kl.target, kl.horizon)
         self.stream = PromptStream(len(prompts), cfg.train.seed)
@@ -176,16 +162,18 @@ class RLTrainer:
             self.logger.log(0, self.evaluate())
         self.rollouts = self._rollout_source()
         self.rollouts.start(self.state.global_step, self.state.global_step)
-        try:
-            self._loop_steps(bar)
-        finally:
-            self.rollouts.close()
-        bar.close()
-        if not cfg.ckpt.disable_ds and cfg.ckpt.save_steps > 0:
-            self.save_checkpoint()
-        self.actor.call("save_hf", cfg.ckpt.output_dir)
-        if self.critic is not None and cfg.critic.save_value_network:
-            self.critic.call("save_hf", Path(cfg.ckpt.output_dir) / "critic")
+        with self.guard:
+            try:
+                self._loop_steps(bar)
+            finally:
+                self.rollouts.close()
+            self.guard.finished()
+            bar.close()
+            if not cfg.ckpt.disable_ds and cfg.ckpt.save_steps > 0:
+                self.save_checkpoint()
+            self.actor.call("save_hf", cfg.ckpt.output_dir)
+            if self.critic is not None and cfg.critic.save_value_network:
+                self.critic.call("save_hf", Path(cfg.ckpt.output_dir) / "critic")
 
     def _loop_steps(self, bar) -> None:
         cfg, plan = self.cfg, self.plan
@@ -199,11 +187,12 @@ class RLTrainer:
                 self._update_best(metrics)
             if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
                 metrics["perf/peak_memory_gb"] = max(self.actor.call("peak_memory_gb"))
-                self.logger.log(step, metrics)
+                self.logger.log(step, {**metrics, **self.guard.metrics()})
             bar.update(1, reward=round(metrics["rollout/reward_mean"], 3))
             if (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps
                     and not cfg.ckpt.disable_ds):
                 self.save_checkpoint()
+            self.guard.after_step(step, self._preempt_save)
 
     def step(self, batch: RolloutBatch | None = None) -> dict[str, float]:
         """One RL step on a generated batch (None: generate it now, synchronously); returns its metrics."""
@@ -409,11 +398,10 @@ class RLTrainer:
             for start in range(0, len(order), bs):
                 chunk = [samples[i] for i in order[start : start + bs]]
                 if self.critic is not None:
-                    for k, v in self.critic.map_train("train_step", chunk, cfg.critic.value_clip)[0].items():
-                        sums.setdefault(f"critic/{k}", []).append(v)
+                    self._add_update(sums, "critic", self.critic.map_train("train_step", chunk, cfg.critic.value_clip),
+                                     chunk)
                 if not actor_frozen:
-                    for k, v in self.actor.map_train("train_step", chunk, spec)[0].items():
-                        sums.setdefault(f"actor/{k}", []).append(v)
+                    self._add_update(sums, "actor", self.actor.map_train("train_step", chunk, spec), chunk)
         if sleep:
             for g in models:
                 g.call("offload_states")
@@ -470,37 +458,3 @@ class RLTrainer:
                     "label": t.label if isinstance(t.label, (str, int, float, type(None))) else str(t.label),
                     "reward": t.reward, "score": t.score, "finish_reason": t.finish_reason,
                 }) + "\n")
-
-    # ------------------------------------------------------------------------------------ checkpoints
-    def _ckpt_strategies(self) -> GroupCheckpoint:
-        return GroupCheckpoint(self.actor, self.critic)
-
-    def save_checkpoint(self) -> Path:
-        cfg = self.cfg
-        self.state.kl_controller = self.kl_ctl.state_dict()
-        protected = (f"step_{self.state.best_step}",) if self.state.best_step is not None else ()
-        export = (lambda d: self.actor.call("save_hf", d)) if cfg.ckpt.save_hf else None
-        path = save_checkpoint(self._ckpt_strategies(), cfg.ckpt.path, self.state.global_step, self.state.as_dict(),
-                               max_num=cfg.ckpt.max_num, protected=protected, export_hf=export,
-                               max_mem_gb=cfg.ckpt.max_mem)
-        if self.state.best_step is not None:
-            (Path(cfg.ckpt.path) / "best").write_text(json.dumps(
-                {"checkpoint": f"step_{self.state.best_step}", "metric": cfg.ckpt.best_metric_key or "eval/pass1",
-                 "value": self.state.best_metric}))
-        return path
-
-    def _maybe_resume(self) -> None:
-        if not self.cfg.ckpt.load_enable:
-            return
-        path = latest_checkpoint(self.cfg.ckpt.path)
-        if path is None:
-            return
-        state = load_checkpoint(self._ckpt_strategies(), path)
-        self.state = RLState(global_step=int(state["global_step"]), prompt_position=int(state["prompt_position"]),
-                             kl_controller=state.get("kl_controller") or {}, best_metric=state.get("best_metric"),
-                             best_step=state.get("best_step"))
-        if self.state.kl_controller:
-            self.kl_ctl.load_state_dict(self.state.kl_controller)
-        self.stream.position = self.state.prompt_position
-        self.logger.truncate_after(self.state.global_step)
-        print(f"[rlhforge] resumed from {path} at step {self.state.global_step}")

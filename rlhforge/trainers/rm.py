@@ -32,7 +32,9 @@ from rlhforge.backend.device import peak_memory_bytes
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
 from rlhforge.models.reward import save_reward_model, sequence_rewards
+from rlhforge.config.parsing import to_dict
 from rlhforge.trainers.common import (
+    batch_record,
     indices_for_step,
     is_eval_step,
     micro_batches,
@@ -41,6 +43,7 @@ from rlhforge.trainers.common import (
     save_step_checkpoint,
     step_timing,
 )
+from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -74,6 +77,8 @@ class RMTrainer:
         self.plan, self.logger = plan, logger
         self.loss_fn = get_rm_loss(cfg.model.loss_type)
         self.state = RMState()
+        self.guard = guard_for(cfg, strategy)  # preemption, non-finite steps, checkpoint write errors
+        self.step_skipped = False  # the last optimizer step was skipped (non-finite loss or gradient norm)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def _rewards(self, samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,6 +104,11 @@ class RMTrainer:
         bar = Progress(plan.total_steps, self.state.global_step,
                        enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="rm")
         strategy.train()
+        with self.guard:
+            self._loop(bar)
+
+    def _loop(self, bar) -> None:
+        cfg, strategy, plan = self.cfg, self.strategy, self.plan
         while self.state.global_step < plan.total_steps:
             epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
                                                              cfg.train.seed, strategy)
@@ -106,6 +116,9 @@ class RMTrainer:
             metrics = self.train_step(indices)
             self.state.global_step += 1
             step = self.state.global_step
+            self.guard.record(step, self.step_skipped, grad_norm=metrics["train/grad_norm"],
+                              batch=lambda: batch_record(step - 1, plan, len(self.train_samples), cfg.train.seed))
+            metrics.update(self.guard.metrics())
             metrics.update(step_timing(metrics, epoch, step_in_epoch, plan.steps_per_epoch, time.perf_counter() - start,
                                        per_s=('pairs', 'tokens')))
             if is_eval_step(step, plan.steps_per_epoch, cfg.eval.steps, plan.total_steps):
@@ -116,6 +129,8 @@ class RMTrainer:
             bar.update(1, loss=metrics["train/loss"], acc=metrics["train/acc"], lr=metrics["train/lr"])
             if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
                 self.save_checkpoint()
+            self.guard.after_step(step, self.save_checkpoint)
+        self.guard.finished()
         bar.close()
         if self.state.reward_stats is None:
             self.state.reward_stats = self._stats_from_train()
@@ -143,6 +158,7 @@ class RMTrainer:
                 totals += torch.stack([loss_sum.detach().double().cpu(), (c > r).double().sum(), c.sum(), r.sum(),
                                        torch.tensor(float(sum(len(s) for s in chunk)), dtype=torch.float64)])
         stats = strategy.step()
+        self.step_skipped = bool(stats.get("skipped", 0.0))
         totals = strategy.all_reduce(totals, op="sum")
         loss, correct, chosen_sum, rejected_sum, tokens = totals.tolist()
         return {"train/loss": loss / global_pairs, "train/acc": correct / global_pairs,
@@ -202,11 +218,14 @@ class RMTrainer:
                           base_path=cfg.model.model_name_or_path, model_cfg=cfg.model, ds_cfg=cfg.ds)
 
     def save_checkpoint(self) -> Path | None:
-        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, self.state.as_dict(),
+        state = {**self.state.as_dict(), "faults": self.guard.state_dict()}
+        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, state,
+                                    config=to_dict(self.cfg),
                                     export=self.export)
 
     def _maybe_resume(self) -> None:
-        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger)
+        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg)
         if state is not None:
+            self.guard.load_state_dict(state.get("faults"))
             stats = state.get("reward_stats")
             self.state = RMState(global_step=int(state["global_step"]), reward_stats=tuple(stats) if stats else None)

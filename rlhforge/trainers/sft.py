@@ -20,7 +20,9 @@ from rlhforge.config.batching import BatchPlan
 from rlhforge.data.packing import collate_packed, collate_padded
 from rlhforge.models.export import save_hf
 from rlhforge.models.forward import token_logprobs
+from rlhforge.config.parsing import to_dict
 from rlhforge.trainers.common import (
+    batch_record,
     indices_for_step,
     is_eval_step,
     micro_batches,
@@ -29,6 +31,7 @@ from rlhforge.trainers.common import (
     save_step_checkpoint,
     step_timing,
 )
+from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -48,6 +51,8 @@ class SFTTrainer:
         self.train_samples, self.eval_samples = train_samples, eval_samples
         self.plan, self.logger = plan, logger
         self.state = SFTState()
+        self.guard = guard_for(cfg, strategy)  # preemption, non-finite steps, checkpoint write errors
+        self.step_skipped = False  # the last optimizer step was skipped (non-finite loss or gradient norm)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def _collate(self, samples):
@@ -71,6 +76,11 @@ class SFTTrainer:
         bar = Progress(plan.total_steps, self.state.global_step,
                        enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="sft")
         strategy.train()
+        with self.guard:
+            self._loop(bar)
+
+    def _loop(self, bar) -> None:
+        cfg, strategy, plan = self.cfg, self.strategy, self.plan
         while self.state.global_step < plan.total_steps:
             epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
                                                              cfg.train.seed, strategy)
@@ -78,6 +88,9 @@ class SFTTrainer:
             metrics = self.train_step(indices)
             self.state.global_step += 1
             step = self.state.global_step
+            self.guard.record(step, self.step_skipped, grad_norm=metrics["train/grad_norm"],
+                              batch=lambda: batch_record(step - 1, plan, len(self.train_samples), cfg.train.seed))
+            metrics.update(self.guard.metrics())
             metrics.update(step_timing(metrics, epoch, step_in_epoch, plan.steps_per_epoch, time.perf_counter() - start,
                                        per_s=('tokens',)))
             if is_eval_step(step, plan.steps_per_epoch, cfg.eval.steps):
@@ -89,6 +102,8 @@ class SFTTrainer:
                        tok_s=round(metrics["perf/tokens_per_s"]))
             if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
                 self.save_checkpoint()
+            self.guard.after_step(step, self.save_checkpoint)
+        self.guard.finished()
         bar.close()
         if cfg.ckpt.save_steps > 0:
             self.save_checkpoint()
@@ -114,6 +129,7 @@ class SFTTrainer:
             if not is_dummy:
                 nll_total += (nll * mask).sum().detach().cpu()
         stats = strategy.step()
+        self.step_skipped = bool(stats.get("skipped", 0.0))
         global_nll = strategy.all_reduce(nll_total, op="sum").item()
         return {"train/loss": global_nll / global_tokens, "train/lr": stats["lr"],
                 "train/grad_norm": stats["grad_norm"], "train/tokens": global_tokens}
@@ -142,10 +158,13 @@ class SFTTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
-        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, self.state.as_dict(),
+        state = {**self.state.as_dict(), "faults": self.guard.state_dict()}
+        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, state,
+                                    config=to_dict(self.cfg),
                                     export=lambda d: save_hf(self.strategy, self.tokenizer, d))
 
     def _maybe_resume(self) -> None:
-        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger)
+        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg)
         if state is not None:
+            self.guard.load_state_dict(state.get("faults"))
             self.state = SFTState(global_step=int(state["global_step"]))
