@@ -13,7 +13,7 @@ from rlhforge.rollout.engine import SamplingParams
 __all__ = ["to_float", "merge_sampling", "_float_logs"]
 
 
-def to_float(value: Any, what: str) -> float:
+def to_float(value: Any, what: str, *, finite: bool = True) -> float:
     if hasattr(value, "numel") and hasattr(value, "item"):
         if value.numel() != 1:
             raise AgentError(f"{what} is a tensor with {value.numel()} elements; expected one number")
@@ -24,7 +24,7 @@ def to_float(value: Any, what: str) -> float:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise AgentError(f"{what} = {value!r} is not a number")
-    if not math.isfinite(value):
+    if finite and not math.isfinite(value):
         raise AgentError(f"{what} = {value} is not finite")
     return float(value)
 
@@ -64,8 +64,13 @@ def _float_logs(logs: Any, what: str) -> dict[str, float]:
         raise AgentError(f"{what} must be a dict of numbers (got {type(logs).__name__})")
     out = {}
     for k, v in logs.items():
-        try:
-            out[str(k)] = to_float(v, f"{what}[{k!r}]")
-        except AgentError:
-            continue  # informational only
+        try:  # NaN/inf are kept: the metrics logger writes them (as null) and warns
+            out[str(k)] = to_float(v, f"{what}[{k!r}]", finite=False)
+        except AgentError as err:  # informational: dropped with one warning per key, never fatal
+            if str(k) not in _WARNED:
+                _WARNED.add(str(k))
+                print(f"[rlhforge] warning: {err}; that metric is not logged", flush=True)
     return out
+
+
+_WARNED: set[str] = set()

@@ -67,7 +67,7 @@ def _sample_hint(batch: RewardBatch, i: int) -> str:
     return f"sample {i} (prompt+response {text!r}, label {batch.labels[i] if i < len(batch.labels) else None!r})"
 
 
-def _as_floats(name: str, what: str, values: Any, batch: RewardBatch) -> list[float]:
+def _as_floats(name: str, what: str, values: Any, batch: RewardBatch, *, finite: bool = True) -> list[float]:
     if hasattr(values, "tolist"):
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
@@ -80,10 +80,19 @@ def _as_floats(name: str, what: str, values: Any, batch: RewardBatch) -> list[fl
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise RewardError(f"{name} returned {what}[{i}] = {v!r} (not a number) for {_sample_hint(batch, i)}")
-        if not math.isfinite(v):
+        if finite and not math.isfinite(v):
             raise RewardError(f"{name} returned {what}[{i}] = {v} for {_sample_hint(batch, i)}")
         out.append(float(v))
     return out
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        print(message, flush=True)
 
 
 def check_reward_output(name: str, raw: Any, batch: RewardBatch) -> RewardOutput:
@@ -105,10 +114,10 @@ def check_reward_output(name: str, raw: Any, batch: RewardBatch) -> RewardOutput
             values = values.tolist()
         if isinstance(values, (int, float)):
             values = [float(values)] * len(batch)
-        try:
-            extra[str(key)] = _as_floats(name, f"extra_logs[{key!r}]", values, batch)
-        except RewardError:
-            continue  # extra logs are informational; a malformed one is dropped, not fatal
+        try:  # NaN/inf are kept: the metrics logger writes them (as null) and warns
+            extra[str(key)] = _as_floats(name, f"extra_logs[{key!r}]", values, batch, finite=False)
+        except RewardError as err:  # informational: a malformed one is dropped with a warning, not fatal
+            _warn_once(f"extra_logs[{key!r}]", f"[rlhforge] warning: {err}; that metric is not logged")
     return RewardOutput(rewards, scores, extra)
 
 

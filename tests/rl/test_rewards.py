@@ -58,3 +58,30 @@ def test_missing_reward_func(tmp_path):
     path.write_text("x = 1\n")
     with pytest.raises(RewardError, match="defines no function reward_func"):
         FunctionReward.from_file(str(path))
+
+
+def test_non_finite_extra_logs_are_kept_and_malformed_ones_warned(tmp_path, capsys):
+    """NaN/inf in extra_logs reach the metrics (the logger writes them as "nan" and warns); a malformed
+    one (wrong length) is dropped with one warning naming it; rewards stay untouched."""
+    import math
+
+    path = tmp_path / "r.py"
+    path.write_text("def reward_func(queries, prompts, labels):\n"
+                    "    return {'rewards': [1.0, 0.0], 'extra_logs': {'flaky': [float('nan'), 2.5],"
+                    " 'spiky': [float('inf'), 1.0], 'short': [1.0]}}\n")
+    out = asyncio.run(call_source(FunctionReward.from_file(str(path)), _batch(["a", "b"], [1, 2])))
+    assert out.rewards == [1.0, 0.0]
+    assert math.isnan(out.extra_logs["flaky"][0]) and out.extra_logs["flaky"][1] == 2.5
+    assert out.extra_logs["spiky"] == [math.inf, 1.0]
+    assert "short" not in out.extra_logs
+    assert "extra_logs['short']" in capsys.readouterr().out
+
+
+def test_agent_metric_dicts_keep_non_finite_values(capsys):
+    import math
+
+    from rlhforge.agents.values import _float_logs
+
+    logs = _float_logs({"nan_metric": float("nan"), "ok": 3, "text_metric": "x"}, "extra_logs")
+    assert math.isnan(logs["nan_metric"]) and logs["ok"] == 3.0 and "text_metric" not in logs
+    assert "text_metric" in capsys.readouterr().out
