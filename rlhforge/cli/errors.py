@@ -13,9 +13,13 @@ def user_errors(prog: str):
 
     setup_cli_environment()
 
+    from rlhforge.config.parsing import RunFileWriteError
     from rlhforge.data.errors import DataError
     try:
         yield
+    except RunFileWriteError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(6) from None
     except (ConfigError, DataError, FileNotFoundError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -8,6 +8,8 @@ pre-0.10 flat names such as ``--pretrain`` with a one-line deprecation notice).
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import sys
 import types
@@ -330,17 +332,28 @@ def save_yaml(cfg: Any, path: str | Path) -> None:
     """Write the resolved config (atomically) so the run can be reproduced with ``--config``.
     Secrets (API keys) are not written: pass them again by flag or environment variable."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
     tmp = path.with_suffix(path.suffix + ".tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text)
         tmp.replace(path)
     except BaseException as err:  # no half-written config.yaml.tmp left behind; config.yaml stays as it was
-        tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.errno is not None and not err.filename:
-            raise OSError(err.errno, f"{err.strerror} (writing {path})", str(tmp)) from err
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise RunFileWriteError(err.errno, f"could not write {path} (through {tmp}): {err.strerror or err}; "
+                                    f"{path} was left as it was") from err
         raise
+
+
+class RunFileWriteError(OSError):
+    """A run-directory file (the resolved ``config.yaml``) could not be written: no space, permission,
+    file too large. The CLI ends with one line naming the path and the cause (exit 6, as a failed
+    checkpoint write)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def parse_args(

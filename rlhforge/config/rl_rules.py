@@ -16,6 +16,7 @@ from rlhforge.config.validation import (
     deepspeed_only_notices,
     notice,
     resolved_strategy,
+    validate_fault_limits,
     validate_logging_steps,
 )
 
@@ -159,6 +160,7 @@ def validate_rl(cfg) -> None:
     if cfg.critic.freezing_steps > 0 and not cfg.uses_critic:
         raise ConfigError("--critic.freezing_steps needs a critic (--algo.advantage.estimator gae)")
     validate_logging_steps(cfg)
+    validate_fault_limits(cfg.train)
     check_is_correction(cfg.algo.advantage)
     _validate_remote_reward(cfg)
     if cfg.ds.load_in_4bit:

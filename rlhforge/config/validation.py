@@ -56,6 +56,7 @@ def validate_common(cfg) -> None:
     if cfg.ds.load_in_4bit and cfg.ds.lora.rank == 0:
         raise ConfigError("--ds.load_in_4bit (QLoRA) needs LoRA adapters: set --ds.lora.rank > 0")
     validate_logging_steps(cfg)
+    validate_fault_limits(cfg.train)
     if not 0.0 <= cfg.eval.holdout_ratio < 1.0:
         raise ConfigError(f"--eval.holdout_ratio must be in [0, 1) (got {cfg.eval.holdout_ratio})")
     if not 0.0 <= cfg.optim.lr_warmup_ratio <= 1.0:
@@ -90,6 +91,20 @@ def validate_no_effect_common(cfg) -> None:
             if value != getattr(default, name):
                 notice(f"--optim.muon.{name} {value} has no effect: the optimizer is {cfg.optim.name} "
                        "(Muon is not supported yet)")
+
+
+def validate_fault_limits(train) -> None:
+    """``--train.preempt_grace_s`` (0: no limit) and ``--train.max_skipped_steps_in_row`` (0: never
+    stop) must not be negative; ``--train.agent_max_stuck_threads`` (RL) must be >= 1."""
+    if train.preempt_grace_s < 0:
+        raise ConfigError(f"--train.preempt_grace_s must be >= 0 seconds (got {train.preempt_grace_s}; 0: wait for "
+                          "the step to end however long it takes)")
+    if train.max_skipped_steps_in_row < 0:
+        raise ConfigError(f"--train.max_skipped_steps_in_row must be >= 0 (got {train.max_skipped_steps_in_row}; "
+                          "0: skip non-finite steps without ever stopping)")
+    stuck = getattr(train, "agent_max_stuck_threads", 1)
+    if stuck < 1:
+        raise ConfigError(f"--train.agent_max_stuck_threads must be >= 1 (got {stuck})")
 
 
 def validate_logging_steps(cfg) -> None:

@@ -110,6 +110,22 @@ def test_logging_steps_must_be_positive(command, capsys):
     assert "--logger.logging_steps must be >= 1 (got 0)" in line
 
 
+@pytest.mark.parametrize("command", ["rl", "sft", "rm", "dpo"])
+@pytest.mark.parametrize("flag, value, message", [
+    ("--train.preempt_grace_s", "-1", "--train.preempt_grace_s must be >= 0 seconds (got -1.0"),
+    ("--train.max_skipped_steps_in_row", "-2", "--train.max_skipped_steps_in_row must be >= 0 (got -2"),
+])
+def test_fault_limits_must_not_be_negative(command, flag, value, message, capsys):
+    main, base = COMMANDS[command]
+    assert message in refused(main, [*base, flag, value], capsys)
+
+
+def test_agent_max_stuck_threads_must_be_positive(capsys):
+    main, base = COMMANDS["rl"]
+    assert "--train.agent_max_stuck_threads must be >= 1 (got 0)" in refused(
+        main, [*base, "--train.agent_max_stuck_threads", "0"], capsys)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="4-bit loading is possible with CUDA")
 @pytest.mark.parametrize("command", ["rl", "sft", "rm", "dpo", "serve-rm"])
 def test_load_in_4bit_without_cuda_is_refused_at_start_up(command, capsys):

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlhforge.cli.train_sft import main as sft_main
 from tests.trainers.sft_helpers import sft_args, write_sft_data
 
@@ -88,3 +90,20 @@ def test_config_yaml_write_is_atomic_and_cleans_up(tmp_path):
     assert result["errno"] == 27 and "config.yaml.tmp" in result["message"], result  # EFBIG, naming the file
     assert path.read_text() == "previous: config\n"
     assert sorted(p.name for p in path.parent.iterdir()) == ["config.yaml"]
+
+
+def test_an_unwritable_run_dir_is_one_line_and_exit_6(tiny_model_dir, tmp_path, capsys):
+    """The run directory cannot be made (its parent is a regular file: a real NotADirectoryError, root
+    or not): the CLI ends with one line naming config.yaml and the cause, exit 6, no traceback."""
+    from rlhforge.cli.train_sft import main as sft_main
+    from tests.trainers.sft_helpers import sft_args, write_sft_data
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder\n")
+    data = write_sft_data(tmp_path / "sft.jsonl", n=8)
+    with pytest.raises(SystemExit) as stop:
+        sft_main(sft_args(tiny_model_dir, data, blocker / "run", "--train.max_steps", "1"))
+    assert stop.value.code == 6
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(blocker / "run" / "config.yaml") in err[0] and "Not a directory" in err[0], err
+    assert "Traceback" not in "\n".join(err)
