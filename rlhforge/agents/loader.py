@@ -118,5 +118,11 @@ def build_executor(cfg, tokenizer, reward_source):
     path = cfg.train.agent_func_path
     if not path:
         return SingleTurnExecutor(tokenizer, reward_source)
+    from rlhforge.agents.builtin_envs import configure_sandbox
+
+    try:  # this run's setting (None: back to $RLHFORGE_SANDBOX_URL, else a local sandbox)
+        configure_sandbox(cfg.train.sandbox_url)
+    except ValueError as err:
+        raise ConfigError(f"--train.sandbox_url {cfg.train.sandbox_url}: {err}") from None
     ex = load_agent_executor(path)
     return ex.configure(tokenizer=tokenizer, reward_source=reward_source, settings=AgentSettings.from_config(cfg))

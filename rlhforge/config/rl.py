@@ -290,6 +290,12 @@ class RLTrainConfig:
     """Plain (non-async) environment calls that hung past ``agent_step_timeout`` leave their thread
     behind (it cannot be killed; counted in ``rollout/agent_stuck_threads``); more than this many
     stuck at once stop the run (exit 3) naming the environment class and the count. rlhforge-specific."""
+    sandbox_url: str | None = None
+    """Where the built-in ``math_tir`` tool environment (and user envs calling
+    ``rlhforge.agents.builtin_envs.sandbox()``) runs code: ``http://HOST:PORT`` of ``rlhforge
+    serve-sandbox`` servers (comma-separated: failover) or ``endpoints:FILE`` (re-read on every call);
+    None: ``$RLHFORGE_SANDBOX_URL``, else a local sandbox. The key: ``$RLHFORGE_SANDBOX_API_KEY``.
+    rlhforge-specific (the agentic fork's code server)."""
     agent_openai_prefix_mismatch: Literal["error", "new_segment"] = "error"
     """OpenAI-client agents: a request whose prompt does not extend the recorded conversation fails
     the sample (``error``) or restarts the trajectory from it (``new_segment``: only the last

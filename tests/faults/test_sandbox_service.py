@@ -286,3 +286,33 @@ def test_math_tir_runs_its_code_on_the_service(server, tiny_model_dir, tmp_path,
         traj = _math_tir_episode(tok)
     assert traj.extra["tir_sandbox_errors"] == 1.0 and not math_tir_sample_filter(traj, None)
     assert any(dead in rec.getMessage() and rec.levelno == logging.ERROR for rec in caplog.records)
+
+
+def test_train_sandbox_url_flag_points_math_tir_at_the_service(server, tiny_model_dir, monkeypatch, capsys):
+    """--train.sandbox_url reaches the built-in tool env through build_executor; a malformed value is a
+    start-up error naming the flag; a later run without the flag goes back to a local sandbox."""
+    from transformers import AutoTokenizer
+
+    from rlhforge.agents import builtin_envs
+    from rlhforge.agents.loader import build_executor
+    from rlhforge.agents.sandbox import Sandbox, SandboxClient
+    from rlhforge.cli.train_ppo_ray import parse_rl_args
+    from rlhforge.config.parsing import ConfigError
+
+    monkeypatch.delenv("RLHFORGE_SANDBOX_URL", raising=False)
+    monkeypatch.setenv("RLHFORGE_SANDBOX_API_KEY", KEY)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", "x.jsonl",
+            "--train.agent_func_path", "registry", "--rollout.batch_size", "8", "--train.batch_size", "8"]
+    try:
+        build_executor(parse_rl_args(base + ["--train.sandbox_url", server.base_url]), tok, None)
+        box = builtin_envs.sandbox()
+        assert isinstance(box, SandboxClient) and box.source.current() == [server.base_url]
+        before = health(server)["calls"]
+        assert asyncio.run(box.run("print(6 * 7)")).stdout.strip() == "42" and health(server)["calls"] == before + 1
+        with pytest.raises(ConfigError, match="--train.sandbox_url ftp://nowhere"):
+            build_executor(parse_rl_args(base + ["--train.sandbox_url", "ftp://nowhere"]), tok, None)
+        build_executor(parse_rl_args(base), tok, None)
+        assert isinstance(builtin_envs.sandbox(), Sandbox)
+    finally:
+        builtin_envs.configure_sandbox(None)
