@@ -375,6 +375,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         metrics["rollout/advantage_std"] = float(adv[m].std()) if m.sum() > 1 else 0.0
         if m.any():
             metrics["rollout/logprob_diff_rollout_vs_train"] = float((roll_lp - old_lp)[m].abs().mean())
+            metrics["rollout/vllm_kl"] = float((roll_lp - old_lp)[m].mean())  # OpenRLHF's vllm_kl (signed k1)
         if values is not None:
             metrics["critic/values_before"] = float(values[m].mean()) if m.any() else 0.0
             metrics["critic/returns_mean"] = float(ret[m].mean()) if m.any() else 0.0

@@ -161,6 +161,9 @@ def test_one_rl_step_matches_an_independent_computation(tiny_model_dir, tmp_path
     assert sorted(seen) == list(range(len(trajs)))  # every sample trained on once
     per_seq_kl = [float(k.sum() / m.sum()) for k, m in zip(kl, masks)]
     _close(metrics["actor/kl_ref"], sum(per_seq_kl) / len(per_seq_kl), "actor/kl_ref")
+    # OpenRLHF's vllm_kl: the token mean of rollout - trainer log-probs (the fixed rollouts carry -1.0)
+    gaps = [-1.0 - float(old[i][a]) for i in range(len(trajs)) for a in actions[i]]
+    _close(metrics["rollout/vllm_kl"], sum(gaps) / len(gaps), "rollout/vllm_kl")
     assert trainer.kl_ctl.value == pytest.approx(BETA)  # fixed controller
 
     # ---- each actor optimizer step, recomputed ----------------------------------------------------
