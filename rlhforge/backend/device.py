@@ -65,12 +65,28 @@ def single_process_env() -> None:
     import os
     import socket
 
-    if "MASTER_PORT" not in os.environ:
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    # a one-rank group's store port is private: a MASTER_PORT inherited from a parent process (which may
+    # still hold it) is replaced by a free one rather than failing with EADDRINUSE. Not under torchrun:
+    # its agent holds the port on purpose and the rank connects to it.
+    port = os.environ.get("MASTER_PORT")
+    inherited = os.environ["WORLD_SIZE"] == "1" and "TORCHELASTIC_RUN_ID" not in os.environ
+    if port is None or (inherited and not _port_free(int(port))):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def empty_cache(device: torch.device) -> None:

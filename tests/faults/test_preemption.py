@@ -39,6 +39,8 @@ def reward_func(queries, prompts, labels, **kwargs):
         gate = pathlib.Path(gate)
         logged = gate.parent / "run" / "metrics.jsonl"
         if logged.is_file() and logged.read_text().strip():
+            gate.mkdir(parents=True, exist_ok=True)
+            (gate / "waiting").touch()  # the test knows step 2 has started
             for _ in range(6000):
                 if (gate / "open").exists():
                     break
@@ -137,7 +139,7 @@ def test_sigterm_checkpoints_rl_and_resume_matches_the_straight_run(tiny_model_d
     run, err = tmp_path / "run", tmp_path / "err.txt"
     proc = _start("rlhforge.cli.train_ppo_ray", args, err, TEST_GATE_DIR=str(tmp_path / "gate"))
     try:
-        _wait_for(proc, lambda: _lines(run / "metrics.jsonl"), "the step-1 metrics line")
+        _wait_for(proc, lambda: (tmp_path / "gate" / "waiting").exists(), "step 2 waiting at the gate")
         proc.send_signal(signal.SIGTERM)  # step 2's reward is waiting at the gate
         _wait_for(proc, lambda: "SIGTERM received" in err.read_text(), "the SIGTERM notice")
         (tmp_path / "gate" / "open").touch()
@@ -160,6 +162,7 @@ def test_a_step_that_outlasts_the_grace_period_exits_without_saving(tiny_model_d
     try:
         _wait_for(proc, lambda: _lines(run / "metrics.jsonl"), "the step-1 metrics line")
         _wait_for(proc, lambda: (run / "ckpts" / "latest").is_file(), "the step-1 checkpoint")
+        _wait_for(proc, lambda: (tmp_path / "gate" / "waiting").exists(), "step 2 waiting at the gate")
         proc.send_signal(signal.SIGTERM)  # the gate stays shut: step 2 cannot end
         assert proc.wait(timeout=300) == 143
     finally:
@@ -198,7 +201,7 @@ def test_sigterm_to_a_ray_driver_checkpoints_through_the_worker_groups(ray_modul
     proc = _start("rlhforge.cli.train_ppo_ray", args, err, TEST_GATE_DIR=str(tmp_path / "gate"),
                   RAY_ADDRESS=None)  # no cluster address: the driver starts its own Ray
     try:
-        _wait_for(proc, lambda: _lines(run / "metrics.jsonl"), "the step-1 metrics line", limit_s=500)
+        _wait_for(proc, lambda: (tmp_path / "gate" / "waiting").exists(), "step 2 waiting at the gate", limit_s=500)
         proc.send_signal(signal.SIGTERM)
         _wait_for(proc, lambda: "SIGTERM received" in err.read_text(), "the SIGTERM notice")
         (tmp_path / "gate" / "open").touch()
