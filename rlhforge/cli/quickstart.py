@@ -8,7 +8,8 @@ reward) on CPU. Accuracy is measured after each stage, greedy and as sampled pas
 mean over ``eval_samples`` samples per problem), and written to a report (``report.md``,
 ``curves.png`` with train reward / held-out pass@1 / KL / entropy / length / group reward std per RL
 step, ``sft_loss.png``, ``summary.json``) in the run directory. The change from "SFT only" to
-"SFT + GRPO" on the same eval set is RL alone. Numbers: ``benchmarks/results/quickstart.json``.
+"SFT + GRPO" on the same eval set is RL alone. Numbers: ``benchmarks/results/quickstart.json``
+(written by ``python benchmarks/bench_quickstart.py``).
 """
 
 from __future__ import annotations
