@@ -297,7 +297,7 @@ async def _attempt(http, url: str, payload: dict, timeout: float) -> tuple[str, 
             return "ok", response.json(), None
         except ValueError:
             return "fail", f"answered with something that is not JSON: {response.text[:200]!r}", None
-    reason = _reason(response)
+    reason = response_reason(response)
     if code in (408, 429) or code >= 500:
         return "retry", f"HTTP {code}: {reason}", _retry_after(response)
     return "fail", f"rejected the request: HTTP {code}: {reason}", None
@@ -417,7 +417,8 @@ async def post_json(url: str, payload: dict, timeout: float = 180.0, *, max_atte
     return data
 
 
-def _reason(response) -> str:
+def response_reason(response) -> str:
+    """A short reason from an HTTP error response: its JSON ``error``/``detail``, else its text."""
     try:
         data = response.json()
         if isinstance(data, dict) and ("error" in data or "detail" in data):
@@ -444,12 +445,12 @@ def _probe(url: str, headers: dict[str, str], timeout: float) -> tuple[str, str]
     code = response.status_code
     if code in (401, 403):
         sent = "the API key sent was refused" if "Authorization" in headers else "no API key was sent"
-        return "fatal", f"rejected the request: HTTP {code}: {_reason(response)} ({sent})"
+        return "fatal", f"rejected the request: HTTP {code}: {response_reason(response)} ({sent})"
     if code == 404:
         return "fatal", ("HTTP 404: the server has no such path (rlhforge serve-rm and OpenRLHF's server answer "
                          "on /get_reward)")
     if code in (502, 503, 504):
-        return "retry", f"HTTP {code}: {_reason(response)}"
+        return "retry", f"HTTP {code}: {response_reason(response)}"
     return "ok", f"HTTP {code}"  # any other answer: the server is up (an empty batch may be a 4xx/5xx there)
 
 

@@ -413,12 +413,14 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: i
 
 @dataclass
 class ServerHandle:
-    """A server running in a background thread: ``url`` of /get_reward, ``stop()``."""
+    """An HTTP service running in a background thread: ``base_url``, ``url`` (of its main route:
+    ``/get_reward`` for the reward server), ``stop()``. Also used by ``rlhforge serve-sandbox``."""
 
     server: Any
     thread: threading.Thread
     host: str
     port: int
+    route: str = "/get_reward"
 
     @property
     def base_url(self) -> str:
@@ -426,7 +428,7 @@ class ServerHandle:
 
     @property
     def url(self) -> str:
-        return f"{self.base_url}/get_reward"
+        return f"{self.base_url}{self.route}"
 
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
@@ -440,9 +442,10 @@ class ServerHandle:
 
 
 def start_server_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0,
-                        log_level: str = "warning") -> ServerHandle:
+                        log_level: str = "warning", *, route: str = "/get_reward",
+                        name: str = "reward server") -> ServerHandle:
     """Run ``app`` with uvicorn in a daemon thread; returns once it accepts connections. ``port=0``
-    picks a free port."""
+    picks a free port. Raises RuntimeError naming ``name`` if it does not start."""
     import socket
 
     import uvicorn
@@ -452,15 +455,15 @@ def start_server_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: fl
             sock.bind((host, 0))
             port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
-    thread = threading.Thread(target=server.run, name=f"reward-server-{port}", daemon=True)
+    thread = threading.Thread(target=server.run, name=f"{name.replace(' ', '-')}-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
-            raise RuntimeError(f"reward server on {host}:{port} did not start")
+            raise RuntimeError(f"{name} on {host}:{port} did not start")
         time.sleep(0.02)
-    return ServerHandle(server, thread, host, port)
+    return ServerHandle(server, thread, host, port, route)
 
 
 def serve(cfg) -> None:

@@ -188,7 +188,9 @@ class SandboxClient:
             except (ValueError, KeyError, TypeError) as err:
                 return None, f"answered with something that is not a sandbox result ({err}): " \
                              f"{response.text[:200]!r}", False, 0.0
-        reason = _reason(response)
+        from rlhforge.rewards.client import response_reason  # lazy: the package also loads standalone
+
+        reason = response_reason(response)
         if code in _FATAL:
             return None, f"HTTP {code}: {_FATAL[code]}: {reason}", True, 0.0
         try:
@@ -201,13 +203,3 @@ class SandboxClient:
                  limits: Mapping[str, Any] | None = None) -> SandboxResult:
         """:meth:`run` without an event loop (do not call from inside one)."""
         return asyncio.run(self.run(code, timeout_s=timeout_s, limits=limits))
-
-
-def _reason(response) -> str:
-    try:
-        data = response.json()
-        if isinstance(data, dict) and ("error" in data or "detail" in data):
-            return str(data.get("error") or data.get("detail"))
-    except ValueError:
-        pass
-    return response.text[:200] or response.reason_phrase

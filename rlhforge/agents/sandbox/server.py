@@ -32,16 +32,12 @@ import contextlib
 import hmac
 import json
 import logging
-import socket
-import threading
-import time
-from dataclasses import dataclass
 from typing import Any
 
 from .config import PER_CALL_LIMITS, SandboxConfig, SandboxUnavailableError, clamp_limits, result_to_dict
 from .runner import Sandbox
 
-__all__ = ["create_app", "start_service_thread", "ServiceHandle", "parse_run_request"]
+__all__ = ["create_app", "start_service_thread", "parse_run_request"]
 
 logger = logging.getLogger("rlhforge.agents.sandbox.server")
 
@@ -212,51 +208,11 @@ def create_app(sandbox: Sandbox, *, api_key: str | None = None, concurrency: int
     return app
 
 
-@dataclass
-class ServiceHandle:
-    """A service running in a background thread: ``base_url``, ``url`` (of ``/run``), ``stop()``."""
-
-    server: Any
-    thread: threading.Thread
-    host: str
-    port: int
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"{self.base_url}/run"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
-
-    def __enter__(self) -> "ServiceHandle":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
 def start_service_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0,
-                         log_level: str = "warning") -> ServiceHandle:
+                         log_level: str = "warning"):
     """Run ``app`` with uvicorn in a daemon thread; returns once it accepts connections (``port=0``:
-    a free port). Raises RuntimeError if it does not start (e.g. the sandbox cannot run here)."""
-    import uvicorn
+    a free port); a :class:`~rlhforge.rewards.server.ServerHandle` (``base_url``, ``url`` of ``/run``,
+    ``stop()``). Raises RuntimeError if it does not start (e.g. the sandbox cannot run here)."""
+    from rlhforge.rewards.server import start_server_thread
 
-    if port == 0:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
-    thread = threading.Thread(target=server.run, name=f"sandbox-service-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError(f"sandbox service on {host}:{port} did not start")
-        time.sleep(0.02)
-    return ServiceHandle(server, thread, host, port)
+    return start_server_thread(app, host, port, timeout, log_level, route="/run", name="sandbox service")
