@@ -343,13 +343,7 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: i
     app.state.batcher = batcher
 
     def authorised(request: Request) -> bool:
-        if not api_key:
-            return True
-        given = request.headers.get("x-api-key") or ""
-        auth = request.headers.get("authorization") or ""
-        if auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        return hmac.compare_digest(given.encode(), api_key.encode())
+        return key_matches(request.headers, api_key)
 
     def error(status: int, message: str, headers: dict[str, str] | None = None):
         status_counts[str(status)] = status_counts.get(str(status), 0) + 1
@@ -409,6 +403,18 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: i
             state["in_flight_queries"] -= n_queries
 
     return app
+
+
+def key_matches(headers, api_key: str | None) -> bool:
+    """Whether a request's ``Authorization: Bearer KEY`` (or ``X-API-Key: KEY``) matches ``api_key``
+    (constant-time; no key configured: every request passes). Shared by serve-rm and serve-sandbox."""
+    if not api_key:
+        return True
+    given = headers.get("x-api-key") or ""
+    auth = headers.get("authorization") or ""
+    if auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return hmac.compare_digest(given.encode(), api_key.encode())
 
 
 @dataclass

@@ -29,7 +29,6 @@ What the code itself does (crash, hang, memory hog) is a normal 200 result, as w
 # route functions, which are defined inside ``create_app`` (fastapi is imported lazily).
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 from typing import Any
@@ -135,14 +134,10 @@ def create_app(sandbox: Sandbox, *, api_key: str | None = None, concurrency: int
     app = FastAPI(title="rlhforge sandbox service", lifespan=lifespan)
     app.state.gate, app.state.counters = gate, counters
 
+    from rlhforge.rewards.server import key_matches  # serve-rm's check (lazy: the package loads standalone)
+
     def authorised(request: Request) -> bool:
-        if not api_key:
-            return True
-        given = request.headers.get("x-api-key") or ""
-        auth = request.headers.get("authorization") or ""
-        if auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        return hmac.compare_digest(given.encode(), api_key.encode())
+        return key_matches(request.headers, api_key)
 
     def ceiling_limits() -> dict[str, Any]:
         return {k: getattr(ceiling, k) for k in PER_CALL_LIMITS}
