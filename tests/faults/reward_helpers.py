@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-from pathlib import Path
 
 
 class FrozenServer:
@@ -79,17 +78,3 @@ def length_reward_app(calls: list | None = None, *, status: int = 200, wrong_len
                                                                                                   payload["query"]]}}
 
     return app
-
-
-def build_tiny_rm(tiny_model_dir, out: Path) -> Path:
-    """A one-label sequence classifier on the tiny model, random head (seed 0), with its tokenizer."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 0.5)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out

@@ -12,18 +12,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlhforge.cli import train_dpo, train_ppo_ray, train_rm, train_sft
 from tests.rl.helpers import rl_args, write_reward
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _replace(args: list[str], flag: str, value: str) -> list[str]:

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlhforge.cli.train_ppo_ray import main as rl_main
 from rlhforge.cli.train_sft import main as sft_main
@@ -50,13 +49,7 @@ def reward_func(queries, prompts, labels, **kwargs):
 '''
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """In-process runs use one thread like the CLI children (OMP_NUM_THREADS=1): bitwise-equal numbers."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _start(module: str, args: list[str], stderr: Path, **env) -> subprocess.Popen:

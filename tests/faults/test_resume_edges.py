@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlhforge.cli.train_sft import main as sft_main
 from tests.trainers.sft_helpers import sft_args, write_sft_data
@@ -18,12 +17,7 @@ from tests.trainers.sft_helpers import sft_args, write_sft_data
 KEYS = ("train/loss", "train/grad_norm", "train/lr", "train/epoch")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import asyncio
 
 import httpx
 import pytest
-import torch
 
 from rlhforge.rewards.base import RewardBatch, RewardError
 from rlhforge.rewards.client import (
@@ -204,17 +203,9 @@ def test_policy_and_flag_validation():
 # --------------------------------------------------------------------------------------------- rlhforge rl
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.timeout(300)
 def test_rl_run_against_a_frozen_server_stops_with_exit_3_naming_it(frozen, tiny_model_dir, tmp_path, capsys,
-                                                                     one_thread):
+                                                                     one_torch_thread):
     from rlhforge.cli.train_ppo_ray import main as rl_main
     from tests.rl.helpers import rl_args
 
@@ -234,7 +225,7 @@ def test_rl_run_against_a_frozen_server_stops_with_exit_3_naming_it(frozen, tiny
 
 @pytest.mark.timeout(300)
 def test_rl_run_fails_over_to_a_second_url_and_finishes(frozen, healthy, tiny_model_dir, tmp_path, capsys,
-                                                        one_thread):
+                                                        one_torch_thread):
     from rlhforge.cli.train_ppo_ray import main as rl_main
     from tests.rl.helpers import metrics, rl_args
 

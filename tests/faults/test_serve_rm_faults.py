@@ -20,11 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from rlhforge.config.serve_rm import ServeDataConfig, ServeRewardConfig, ServeRMConfig
 from rlhforge.rewards.server import RewardScorer, create_app, start_server_thread
-from tests.faults.reward_helpers import build_tiny_rm
+from tests.model_helpers import tiny_reward_model
 
 GOOD = ["Q: What is 1 + 2?\nA: 3", "hello world", "a b c d e f g h", "What is 7 * 8? The answer is 56.",
         "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>"]
@@ -53,17 +52,12 @@ MALFORMED = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def rm_dir(tiny_model_dir, tmp_path_factory):
-    return build_tiny_rm(tiny_model_dir, tmp_path_factory.mktemp("faults") / "rm")
+    return tiny_reward_model(tiny_model_dir, tmp_path_factory.mktemp("faults") / "rm")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import asyncio
 
 import httpx
 import pytest
-import torch
 
 from rlhforge.cli.train_ppo_ray import check_reward_servers, parse_rl_args
 from rlhforge.cli.train_ppo_ray import main as rl_main
@@ -21,29 +20,23 @@ from rlhforge.rewards.sources import RemoteReward
 from rlhforge.rewards.base import RewardBatch
 from rlhforge.rewards.server import RewardScorer, create_app, start_server_thread
 from tests.flag_tables import refused_line
+from tests.model_helpers import tiny_reward_model
 from tests.rl.helpers import metrics, rl_args
 
 KEY = "s3cret-Key-7f3a9"
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 @pytest.fixture(autouse=True)
 def clean_key(monkeypatch):
     monkeypatch.delenv(client.API_KEY_ENV, raising=False)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    rm = tmp_path_factory.mktemp("keyed") / "rm"
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
-    model.save_pretrained(rm)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(rm)
+    rm = tiny_reward_model(tiny_model_dir, tmp_path_factory.mktemp("keyed") / "rm", head_std=None)
     scorer = RewardScorer.from_config(ServeRMConfig(reward=ServeRewardConfig(str(rm)), batch_size=8))
     with start_server_thread(create_app(scorer, api_key=KEY)) as handle:
         yield handle

@@ -15,34 +15,20 @@ from rlhforge.config.parsing import ConfigError, parse_args
 from rlhforge.config.serve_rm import ServeRewardConfig, ServeRMConfig
 from rlhforge.rewards.client import RemoteRewardClient, RewardServerError, post_json, shard_bounds
 from rlhforge.rewards.server import RewardScorer, create_app, start_server_thread
+from tests.model_helpers import tiny_reward_model
 
 MEAN, STD = 0.25, 2.0
 TEXTS = ["Q: What is 1 + 2?\nA: 3", "Q: What is 1 + 2?\nA: I am not sure, maybe 7.", "hello",
          "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>", "a b c d e f g h"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def rm_dir(tiny_model_dir, tmp_path_factory):
     """A tiny reward model (random one-label head) with stored reward statistics."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("served") / "rm"
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 0.5)
-    model.config.reward_mean, model.config.reward_std = MEAN, STD
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out
+    return tiny_reward_model(tiny_model_dir, tmp_path_factory.mktemp("served") / "rm", reward_mean=MEAN, reward_std=STD)
 
 
 @pytest.fixture(scope="module")

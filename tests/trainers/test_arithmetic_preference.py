@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from rlhforge.tracking.metrics import read_metrics
+from tests.model_helpers import perturbed_copy
 from tests.trainers import arithmetic_ref as ref
 
 DATA = "builtin:arithmetic_preference?n=8"
@@ -31,28 +32,13 @@ BETA = 0.3
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def perturbed_reference(tiny_model_dir, tmp_path_factory):
     """The tiny model with noise on every weight: a reference that differs from the policy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("arith_ref") / "model"
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out
+    return perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("arith_ref") / "model", seed=5)
 
 
 @pytest.fixture
@@ -94,6 +80,19 @@ def _response_logp_sum(model, ids, mask):
     return (logp * torch.tensor(mask, dtype=torch.float64)).sum()
 
 
+def _one_step(main, args, out, instrumented):
+    """Run one optimizer step through the CLI ``main``: the step's gradient record, its 8 pairs and the
+    step-1 metrics row."""
+    assert main(args) == 0
+    [recorder] = instrumented["steps"]
+    [pairs] = instrumented["pairs"]
+    [record] = recorder.records
+    assert len(pairs) == 8
+    row = read_metrics(out)[0]
+    assert row["step"] == 1
+    return record, pairs, row
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_one_dpo_step_matches_an_independent_computation(tiny_model_dir, perturbed_reference, tmp_path, instrumented,
                                                          packed):
@@ -102,13 +101,7 @@ def test_one_dpo_step_matches_an_independent_computation(tiny_model_dir, perturb
     out = tmp_path / "dpo"
     args = ["--model.model_name_or_path", str(tiny_model_dir), "--ref.model_name_or_path", str(perturbed_reference),
             "--model.beta", str(BETA), "--optim.adam.lr", "1e-3", *_common(out, packed)]
-    assert main(args) == 0
-    [recorder] = instrumented["steps"]
-    [pairs] = instrumented["pairs"]
-    [record] = recorder.records
-    assert len(pairs) == 8
-    row = read_metrics(out)[0]
-    assert row["step"] == 1
+    record, pairs, row = _one_step(main, args, out, instrumented)
 
     # the step's weights are the initial model's (a fresh copy, loaded from the folder)
     policy = ref.causal_lm(tiny_model_dir)
@@ -145,13 +138,7 @@ def test_one_rm_step_matches_an_independent_computation(tiny_model_dir, tmp_path
     out = tmp_path / "rm"
     args = ["--model.model_name_or_path", str(tiny_model_dir), "--adam.lr", "1e-3",
             *_common(out, packed)]
-    assert main(args) == 0
-    [recorder] = instrumented["steps"]
-    [pairs] = instrumented["pairs"]
-    [record] = recorder.records
-    assert len(pairs) == 8
-    row = read_metrics(out)[0]
-    assert row["step"] == 1
+    record, pairs, row = _one_step(main, args, out, instrumented)
 
     # the backbone is the initial causal LM's; the new value head's initial weights come from the
     # recorded state (a random init of the trainer's, not re-derivable here)

@@ -16,6 +16,7 @@ from rlhforge.config.dpo import DPOConfig
 from rlhforge.config.parsing import ConfigError, parse_args
 from rlhforge.tracking.metrics import read_metrics
 from tests.flag_tables import check_every_flag
+from tests.model_helpers import perturbed_copy
 
 TRAIN = "builtin:arithmetic_preference?n=16"
 
@@ -26,29 +27,13 @@ def dpo_args(model_dir, out, *extra, data=TRAIN):
             "--logger.progress_bar", "off", *extra]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine run faster (and steadier) on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def perturbed_reference(tiny_model_dir, tmp_path_factory):
     """The tiny model with noise on every weight: a reference that differs from the policy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("ref") / "model"
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out
+    return perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("ref") / "model", seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,7 @@ DATA = ["--data.dataset", "builtin:arithmetic_preference?n=96", "--eval.dataset"
         "--data.prompt_key", "prompt", "--data.input_template", "Q: {}\nA: "]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine run faster (and steadier) on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rm_args(model_dir, out, *extra):

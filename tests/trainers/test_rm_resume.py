@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlhforge.cli import train_rm
 from rlhforge.tracking.metrics import read_metrics
@@ -18,13 +17,7 @@ from rlhforge.trainers.rm import RMTrainer
 STEPS = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine run faster (and steadier) on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Interrupted(Exception):
