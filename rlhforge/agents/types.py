@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Trajectory"]
+__all__ = ["Trajectory", "AgentError"]
 
 
 @dataclass
@@ -65,3 +65,7 @@ class Trajectory:
         for s, e in self.action_ranges:
             mask[s:e] = [1] * (e - s)
         return mask
+
+
+class AgentError(RuntimeError):
+    """An environment or agent failed (raised, hung, returned something unusable); names the sample."""

@@ -134,7 +134,7 @@ def create_app(sandbox: Sandbox, *, api_key: str | None = None, concurrency: int
     app = FastAPI(title="rlhforge sandbox service", lifespan=lifespan)
     app.state.gate, app.state.counters = gate, counters
 
-    from rlhforge.rewards.server import key_matches  # serve-rm's check (lazy: the package loads standalone)
+    from rlhforge.rewards.http_service import key_matches  # serve-rm's check (lazy: the package loads standalone)
 
     def authorised(request: Request) -> bool:
         return key_matches(request.headers, api_key)
@@ -206,8 +206,8 @@ def create_app(sandbox: Sandbox, *, api_key: str | None = None, concurrency: int
 def start_service_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0,
                          log_level: str = "warning"):
     """Run ``app`` with uvicorn in a daemon thread; returns once it accepts connections (``port=0``:
-    a free port); a :class:`~rlhforge.rewards.server.ServerHandle` (``base_url``, ``url`` of ``/run``,
+    a free port); a :class:`~rlhforge.rewards.http_service.ServerHandle` (``base_url``, ``url`` of ``/run``,
     ``stop()``). Raises RuntimeError if it does not start (e.g. the sandbox cannot run here)."""
-    from rlhforge.rewards.server import start_server_thread
+    from rlhforge.rewards.http_service import start_server_thread
 
     return start_server_thread(app, host, port, timeout, log_level, route="/run", name="sandbox service")
