@@ -82,7 +82,7 @@ class FSDP2Strategy:
         poison_nonfinite(loss).backward()
 
     def step(self) -> dict[str, float]:
-        return clip_and_step(self.model, self.optimizer, self.scheduler, self.optim_cfg.max_norm, self.all_reduce)
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.optim_cfg.max_norm)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return all_reduce_tensor(tensor, op, self.world_size)

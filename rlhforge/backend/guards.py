@@ -8,8 +8,9 @@ are dropped, and the step reports ``skipped = 1``. Every rank takes the same dec
   every gradient it reaches is NaN as well (a NaN in a term without a gradient path would otherwise
   leave finite gradients). A finite loss is multiplied by exactly 1.0 (bitwise the same loss and
   gradients). No host synchronisation.
-- :func:`all_ranks_finite` (in ``step``): the gradient norm's finiteness, reduced with ``max`` over
-  the ranks, so one rank's NaN skips the step everywhere.
+- :func:`all_ranks_finite` (in ``step``): the gradient norm's finiteness. The torch (DDP) and FSDP2
+  norms are already global; DeepSpeed ZeRO-0 checks its local gradients and reduces the flag with
+  ``max`` over the ranks, so one rank's NaN skips the step everywhere.
 """
 
 from __future__ import annotations

@@ -87,11 +87,13 @@ def barrier(world_size: int) -> None:
         dist.barrier()
 
 
-def clip_and_step(module: torch.nn.Module, optimizer, scheduler, max_norm: float, all_reduce=None) -> dict[str, float]:
+def clip_and_step(module: torch.nn.Module, optimizer, scheduler, max_norm: float) -> dict[str, float]:
     """Clip the global grad norm (0: no clipping), step optimizer and scheduler, zero the grads.
     Works for plain and DTensor (FSDP2) parameters. Returns the pre-clip norm, the lr used and
-    ``skipped``: 1.0 when the norm is not finite on some rank (``all_reduce``: the strategy's), in
-    which case neither the optimizer nor the scheduler steps (:mod:`rlhforge.backend.guards`)."""
+    ``skipped``: 1.0 when the norm is not finite, in which case neither the optimizer nor the
+    scheduler steps (:mod:`rlhforge.backend.guards`). The norm is already the same on every rank
+    (DDP averages the gradients, FSDP2's is the full tensor's), so every rank decides alike without
+    another collective."""
     from rlhforge.backend.guards import all_ranks_finite
 
     params = [p for p in module.parameters() if p.requires_grad]
@@ -99,7 +101,7 @@ def clip_and_step(module: torch.nn.Module, optimizer, scheduler, max_norm: float
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     lr = scheduler.get_last_lr()[0]
-    finite = all_ranks_finite(norm, all_reduce)
+    finite = all_ranks_finite(norm)
     if finite:
         optimizer.step()
         scheduler.step()
