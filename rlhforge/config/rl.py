@@ -176,10 +176,16 @@ class VllmConfig:
     """Number of vLLM engines (None/0: the in-process HF engine). Requests go to the least-loaded one."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism per engine (GPU; 1 on CPU)."""
-    sync_backend: str = "nccl"
-    """No effect here (a non-default value prints a notice): weights reach the engines in-process, or
-    from Ray actor rank 0 over a dedicated gloo group (host memory); NCCL / CUDA-IPC sync into GPU
-    engines is not built yet (docs/distributed.md)."""
+    sync_backend: Literal["nccl", "gloo"] = "nccl"
+    """Collective of the weight sync from actor rank 0 to the engine actors: ``nccl`` on GPU engines
+    (CUDA IPC where an engine shares the sender's GPU), ``gloo`` (host memory). CPU engines always use
+    gloo (NCCL needs GPUs). docs/distributed.md."""
+    max_restarts: int = 1
+    """Engine actors: restarts of an engine that died or stopped answering (its requests go to the
+    other engines; a restarted engine is synced to the current weights). rlhforge-specific."""
+    request_timeout_s: float = 600.0
+    """Engine actors: seconds one generate call may take before the engine counts as hung (restarted
+    as if it had died). rlhforge-specific."""
     sync_with_ray: bool = False
     """Ray workers: send the weights through Ray's object store instead of the dedicated group."""
     sync_bucket_mb: int = 128
@@ -304,6 +310,9 @@ class RLTrainConfig:
     """Token-budget micro-batches (not supported in RL yet)."""
     max_tokens_per_gpu: int = 16192
     """Token budget for dynamic batching (not supported in RL yet: refused unless 16192)."""
+    plan_only: bool = False
+    """Ray: build the placement groups, print the plan (bundles, GPU fractions, memory per device for
+    every model and engine) and exit 0 without loading any weights. rlhforge-specific."""
     enable_ema: bool = False
     """EMA of the actor weights (not built yet: refused)."""
     ema_beta: float = 0.992

@@ -48,9 +48,6 @@ _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
 
 #: (section, field) -> (default, why): OpenRLHF knobs that mean nothing here; a different value prints one notice
 _NO_EFFECT: dict[tuple[str, str], tuple[object, str]] = {
-    ("vllm", "sync_backend"): ("nccl", "weights reach the engines in-process, or from Ray actor rank 0 over a "
-                                       "dedicated gloo group (or Ray's object store with --vllm.sync_with_ray); "
-                                       "NCCL / CUDA-IPC sync is not built (docs/distributed.md)"),
     ("train", "colocate_critic_reward"): (False, "the reward model runs in the driver process, so there is no reward "
                                                  "worker group to share the critic's devices"),
     ("train", "ema_beta"): (0.992, "the actor EMA is not built (--train.enable_ema is refused)"),
@@ -192,13 +189,19 @@ def no_effect_notices(cfg) -> list[str]:
     v0 = type(v)()  # the defaults
     if not v.num_engines:
         for name in ("tensor_parallel_size", "enable_prefix_caching", "enforce_eager", "enable_sleep",
-                     "gpu_memory_utilization"):
+                     "gpu_memory_utilization", "sync_backend", "max_restarts", "request_timeout_s"):
             value = getattr(v, name)
             if value != getattr(v0, name):
                 shown = "" if isinstance(value, bool) else f" {value}"
                 out.append(f"--vllm.{name}{shown} has no effect without --vllm.num_engines (the in-process HF "
                            "engine generates)")
     ray = uses_ray(cfg)
+    if v.num_engines and not ray:
+        for name in ("sync_backend", "max_restarts", "request_timeout_s"):
+            value = getattr(v, name)
+            if value != getattr(v0, name):
+                out.append(f"--vllm.{name} {value} has no effect: without Ray the engines live in this process "
+                           "(engine actors need --train.workers ray or RAY_ADDRESS)")
     if v.sync_with_ray and not ray:
         out.append("--vllm.sync_with_ray has no effect without Ray workers (weights are synced in-process)")
     if v.sync_bucket_mb != v0.sync_bucket_mb and not ray and not v.num_engines:
@@ -337,6 +340,10 @@ def _validate_vllm(cfg) -> None:
         return
     if v.num_engines < 0:
         raise ConfigError(f"--vllm.num_engines must be >= 0 (got {v.num_engines}; 0 or unset: the HF engine)")
+    if v.max_restarts < 0:
+        raise ConfigError(f"--vllm.max_restarts must be >= 0 (got {v.max_restarts})")
+    if not v.request_timeout_s > 0:
+        raise ConfigError(f"--vllm.request_timeout_s must be > 0 (got {v.request_timeout_s})")
     if v.tensor_parallel_size < 1:
         raise ConfigError(f"--vllm.tensor_parallel_size must be >= 1 (got {v.tensor_parallel_size})")
     if not 0 < v.gpu_memory_utilization <= 1:

@@ -50,13 +50,14 @@ RL_REFUSED = [
 ]
 RL_NOTICE = [
     # always in this project
-    "--vllm.sync_backend", "--train.colocate_critic_reward", "--train.ema_beta", "--data.dataloader_num_workers",
+    "--train.colocate_critic_reward", "--train.ema_beta", "--data.dataloader_num_workers",
     "--reward.num_nodes", "--reward.num_gpus_per_node",
     # DeepSpeed-only: when no worker group runs DeepSpeed (one process -> plain torch)
     "--ds.zero_stage", "--ds.zpg", "--ds.adam_offload", "--ds.overlap_comm", "--ds.grad_accum_dtype",
     # without --vllm.num_engines (the HF engine) / without Ray workers
     "--vllm.tensor_parallel_size", "--vllm.enable_prefix_caching", "--vllm.enforce_eager", "--vllm.enable_sleep",
-    "--vllm.gpu_memory_utilization", "--vllm.sync_with_ray", "--vllm.sync_bucket_mb",
+    "--vllm.gpu_memory_utilization", "--vllm.sync_with_ray", "--vllm.sync_bucket_mb", "--vllm.sync_backend",
+    "--vllm.max_restarts", "--vllm.request_timeout_s",
     # without an HTTP reward server
     "--reward.api_key", "--reward.wait_for_server_s",
 ]
