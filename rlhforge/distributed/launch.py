@@ -27,6 +27,7 @@ def init_ray(num_cpus: int | None = None) -> None:
     if address is None:
         kwargs["num_cpus"] = num_cpus or os.cpu_count()
         kwargs["include_dashboard"] = False
+        kwargs["_node_ip_address"] = "127.0.0.1"  # a local cluster listens on loopback only
     try:
         ray.init(address=address, **kwargs)
     except ConnectionError as err:
