@@ -60,7 +60,7 @@ def test_placement_plans():
 
 def test_resources_are_checked_before_anything_starts():
     p = plan_placement({"actor": 2, "critic": 2}, device="cpu")
-    with pytest.raises(ConfigError, match=r"need 4 CPU bundle\(s\) .* has 2 free CPU\(s\); colocate the models"):
+    with pytest.raises(ConfigError, match=r"need 4 CPU bundle\(s\): actor 2 \+ critic 2 without colocation = 4; .* has 2 free CPU\(s\): add --train.colocate_all"):
         check_resources(p, {"CPU": 2.0})
     check_resources(plan_placement({"actor": 2, "critic": 2}, device="cpu", colocate_all=True), {"CPU": 2.0})
     with pytest.raises(ConfigError, match=r"need 2 GPU bundle\(s\)"):
