@@ -11,6 +11,16 @@ Layouts (see :mod:`rlhforge.data.packing`):
 - packed: one row, no ``attention_mask``, ``position_ids`` restarting at 0 for every sample
   (``cu_seqlens``/``seq_lens`` optional; the resets define the samples).
 
+Packed batches are *computed* in bounded rows (:func:`packed_rows`): on sdpa/eager/flex the one
+packed row of the batch is cut into several rows of about the longest sample's length (first-fit
+decreasing, :func:`rlhforge.data.packing.token_budget_batches`), padded to the longest row, and the
+results are mapped back to the ``[1, N]`` layout. Attention over one row of N tokens with a dense
+block-diagonal mask costs N^2; over rows of length L it costs N * L, so a packed micro-batch never
+costs more than the padded one (at most as many rows as samples, none longer than the longest
+sample). The padding inside a row gets position id 0 on every token: each pad is a one-token sample
+of its own and no real token sees it. ``flash_attention_2``/``3`` keep the single row (varlen
+attention is already per sample).
+
 How attention stays inside each packed sample:
 
 - ``sdpa``/``eager``/``flex_attention`` (CPU and GPU): transformers (>= 4.5x, verified on 5.19,
@@ -29,6 +39,7 @@ How attention stays inside each packed sample:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 import torch
@@ -41,6 +52,9 @@ __all__ = [
     "packed_causal_mask",
     "prediction_mask",
     "hf_detects_packed_sequences",
+    "PackedRows",
+    "packed_rows",
+    "packed_model_inputs",
 ]
 
 _HF_PACKING_IMPLS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -88,6 +102,110 @@ def packed_causal_mask(position_ids: Tensor, dtype: torch.dtype = torch.float32)
     return mask[:, None]
 
 
+def _packed_lengths(batch: Mapping[str, Any]) -> list[int]:
+    """The sample lengths of a one-row packed batch (``seq_lens``, else ``cu_seqlens``, else the resets)."""
+    if batch.get("seq_lens") is not None:
+        return [int(n) for n in batch["seq_lens"]]
+    if batch.get("cu_seqlens") is not None:
+        cu = batch["cu_seqlens"].tolist()
+        return [b - a for a, b in zip(cu[:-1], cu[1:])]
+    starts = _sample_starts(batch["position_ids"][:1])[0].nonzero()[:, 0].tolist()
+    return [b - a for a, b in zip(starts, starts[1:] + [batch["position_ids"].shape[-1]])]
+
+
+@dataclass
+class PackedRows:
+    """A one-row packed batch laid out in ``R`` bounded rows of ``L`` tokens (:func:`packed_rows`)."""
+
+    input_ids: Tensor
+    """[R, L] the samples, first-fit decreasing into rows; pad id 0 after the last sample of a row."""
+    position_ids: Tensor
+    """[R, L] the batch's position ids; 0 on every pad (each pad is a one-token sample)."""
+    index: Tensor
+    """[N] int64: where packed token ``n`` sits in the flattened ``[R * L]`` rows."""
+
+    def to_packed(self, x: Tensor) -> Tensor:
+        """Per-row values ``[R, L, ...]`` -> the packed layout ``[1, N, ...]`` (differentiable)."""
+        return x.reshape(-1, *x.shape[2:]).index_select(0, self.index).unsqueeze(0)
+
+
+def packed_rows(batch: Mapping[str, Any], row_tokens: int | None = None) -> PackedRows | None:
+    """Cut a one-row packed batch into rows of at most ``max(longest sample, row_tokens)`` tokens.
+
+    Samples go into rows first-fit decreasing (:func:`rlhforge.data.packing.token_budget_batches`);
+    rows are right-padded to the longest row. A sample never spans two rows, so there are at most
+    as many rows as samples and no row is longer than the padded layout's width when
+    ``row_tokens`` is None. Returns None when everything fits in one row anyway.
+    """
+    from rlhforge.data.packing import token_budget_batches
+
+    input_ids, position_ids = batch["input_ids"], batch["position_ids"]
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"a packed batch has one row (got {input_ids.shape[0]})")
+    lengths = _packed_lengths(batch)
+    total = sum(lengths)
+    if total != input_ids.shape[1]:
+        raise ValueError(f"sample lengths sum to {total} but the packed row has {input_ids.shape[1]} tokens")
+    budget = max(max(lengths), int(row_tokens or 0))
+    bins = token_budget_batches(lengths, budget)
+    if len(bins) == 1:
+        return None
+    width = max(sum(lengths[i] for i in b) for b in bins)
+    packed_start, flat_start = [0] * len(lengths), [0] * len(lengths)
+    for i in range(1, len(lengths)):
+        packed_start[i] = packed_start[i - 1] + lengths[i - 1]
+    for r, members in enumerate(bins):
+        at = r * width
+        for i in members:
+            flat_start[i] = at
+            at += lengths[i]
+    shift = torch.tensor(flat_start, dtype=torch.long) - torch.tensor(packed_start, dtype=torch.long)
+    index = (torch.repeat_interleave(shift, torch.tensor(lengths, dtype=torch.long)) + torch.arange(total))
+    index = index.to(input_ids.device)
+    ids = input_ids.new_zeros(len(bins) * width).index_copy_(0, index, input_ids[0])
+    pos = position_ids.new_zeros(len(bins) * width).index_copy_(0, index, position_ids[0])
+    return PackedRows(ids.view(len(bins), width), pos.view(len(bins), width), index)
+
+
+def packed_model_inputs(
+    model,
+    batch: Mapping[str, Any],
+    *,
+    block_mask: Literal["auto", "explicit"] = "auto",
+    row_tokens: int | None = None,
+) -> tuple[dict[str, Any], PackedRows | None]:
+    """The keyword arguments for ``model(**kwargs)`` on a packed batch, and the row layout used.
+
+    With a :class:`PackedRows` back, the model's per-token outputs are ``[R, L, ...]``: map them
+    to the packed ``[1, N, ...]`` layout with ``rows.to_packed``. With None (flash attention, or
+    one row is enough), they are already ``[1, N, ...]``.
+    """
+    input_ids, position_ids = batch["input_ids"], batch["position_ids"]
+    kwargs: dict[str, Any] = {"use_cache": False}  # a cache would disable packed-sequence masking
+    impl = _attn_implementation(model)
+    explicit = block_mask == "explicit" or not (hf_detects_packed_sequences() and impl in _HF_PACKING_IMPLS)
+    if explicit and impl is not None and impl not in ("sdpa", "eager"):
+        raise ValueError(
+            f"packed batches with attn_implementation={impl!r} need transformers' packed-sequence "
+            "support; use sdpa, eager or flash_attention_2, or a padded batch"
+        )
+    rows = None
+    if not explicit and impl in ("flash_attention_2", "flash_attention_3"):
+        if batch.get("cu_seqlens") is not None:
+            # hand the varlen kernel the boundaries directly (else transformers derives them from position_ids)
+            cu = batch["cu_seqlens"].to(device=input_ids.device, dtype=torch.int32)
+            max_len = int(batch.get("max_seqlen") or int((cu[1:] - cu[:-1]).max()))
+            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+    else:
+        rows = packed_rows(batch, row_tokens)
+        if rows is not None:
+            input_ids, position_ids = rows.input_ids, rows.position_ids
+        if explicit:
+            kwargs["attention_mask"] = packed_causal_mask(position_ids, dtype=_model_dtype(model))
+    kwargs.update(input_ids=input_ids, position_ids=position_ids)
+    return kwargs, rows
+
+
 def prediction_mask(batch: Mapping[str, Any]) -> Tensor:
     """[B, T] bool: positions that have a prediction (not the first token of a sample, not padding)."""
     if is_packed(batch):
@@ -111,6 +229,7 @@ def token_logprobs(
     *,
     block_mask: Literal["auto", "explicit"] = "auto",
     return_logits: bool = False,
+    row_tokens: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token log-probs ``[B, T]`` (fp32) of ``batch["input_ids"]`` under ``model``.
 
@@ -122,41 +241,35 @@ def token_logprobs(
         block_mask: packed batches only. ``"auto"`` relies on transformers' packed-sequence
             detection where it exists; ``"explicit"`` always passes a 4-D block-diagonal mask
             (sdpa/eager only).
-        return_logits: also return the raw logits.
+        return_logits: also return the raw logits (``[1, N, V]`` for a packed batch).
+        row_tokens: packed batches on sdpa/eager only: compute in rows of at most
+            ``max(longest sample, row_tokens)`` tokens (:func:`packed_rows`; None: the longest
+            sample, which never costs more than padding). The result does not depend on it.
 
     Returns:
         ``logprobs`` [B, T] with 0 at the first token of each sample and at padding; with
         ``return_logits``, ``(logprobs, logits)``. Differentiable.
     """
     input_ids = batch["input_ids"]
-    position_ids = batch.get("position_ids")
-    kwargs: dict[str, Any] = {"use_cache": False}  # a cache would disable packed-sequence masking
+    rows = None
     if is_packed(batch):
-        impl = _attn_implementation(model)
-        explicit = block_mask == "explicit" or not (hf_detects_packed_sequences() and impl in _HF_PACKING_IMPLS)
-        if explicit:
-            if impl is not None and impl not in ("sdpa", "eager"):
-                raise ValueError(
-                    f"packed batches with attn_implementation={impl!r} need transformers' packed-sequence "
-                    "support; use sdpa, eager or flash_attention_2, or a padded batch"
-                )
-            kwargs["attention_mask"] = packed_causal_mask(position_ids, dtype=_model_dtype(model))
-        elif impl in ("flash_attention_2", "flash_attention_3") and batch.get("cu_seqlens") is not None:
-            # hand the varlen kernel the boundaries directly (else transformers derives them from position_ids)
-            cu = batch["cu_seqlens"].to(device=input_ids.device, dtype=torch.int32)
-            max_len = int(batch.get("max_seqlen") or int((cu[1:] - cu[:-1]).max()))
-            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+        kwargs, rows = packed_model_inputs(model, batch, block_mask=block_mask, row_tokens=row_tokens)
     else:
         attention_mask = batch["attention_mask"]
-        kwargs["attention_mask"] = attention_mask
+        position_ids = batch.get("position_ids")
         if position_ids is None:  # also right for left padding
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, position_ids=position_ids, **kwargs)
-    logits = out.logits
-    # logits[:, t] predicts input_ids[:, t + 1]
-    shifted = _logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
-    logprobs = torch.zeros(input_ids.shape, dtype=shifted.dtype, device=shifted.device)
-    logprobs = torch.cat([logprobs[:, :1], shifted], dim=1)
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "use_cache": False}
+    logits = model(**kwargs).logits
+    ids = kwargs["input_ids"]
+    # logits[:, t] predicts ids[:, t + 1]
+    shifted = _logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature)
+    logprobs = torch.cat([torch.zeros_like(shifted[:, :1]), shifted], dim=1)
+    if rows is not None:
+        logprobs = rows.to_packed(logprobs)
+        if return_logits:
+            logits = rows.to_packed(logits)
     logprobs = logprobs * prediction_mask(batch).to(logprobs.dtype)
     return (logprobs, logits) if return_logits else logprobs
 

@@ -1,0 +1,95 @@
+"""Packed batches are computed in bounded rows: same log-probs, logits and gradients as padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhforge.data.packing import collate_packed, collate_padded
+from rlhforge.models.forward import packed_rows, token_logprobs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# 11 samples: the longest (20) bounds each row, so the micro-batch spans several rows
+LENGTHS = [9, 20, 4, 13, 7, 20, 2, 11, 16, 5, 8]
+
+
+def _samples(vocab: int, lengths=LENGTHS) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(4, vocab, (n,), generator=g).tolist(),
+             "loss_mask": [0] * min(3, n - 1) + [1] * (n - min(3, n - 1))} for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model(request, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                attn_implementation=request.param).eval()
+
+
+def test_row_layout():
+    batch = collate_packed(_samples(100))
+    rows = packed_rows(batch)
+    n_rows, width = rows.input_ids.shape
+    assert 1 < n_rows < len(LENGTHS) and width == max(LENGTHS)  # never wider than the padded batch
+    flat_ids, flat_pos = rows.input_ids.reshape(-1), rows.position_ids.reshape(-1)
+    assert torch.equal(flat_ids[rows.index], batch["input_ids"][0])
+    assert torch.equal(flat_pos[rows.index], batch["position_ids"][0])
+    pad = torch.ones(n_rows * width, dtype=torch.bool)
+    pad[rows.index] = False
+    assert (flat_pos[pad] == 0).all() and (flat_ids[pad] == 0).all()
+    # every sample sits whole inside one row
+    starts = torch.cumsum(torch.tensor([0] + LENGTHS[:-1]), 0)
+    for s, n in zip(starts.tolist(), LENGTHS):
+        where = rows.index[s : s + n]
+        assert (where // width).unique().numel() == 1 and torch.equal(where - where[0], torch.arange(n))
+    assert packed_rows(batch, row_tokens=sum(LENGTHS)) is None  # one row is enough: no layout
+
+
+def test_bounded_rows_equal_padded_logprobs_logits_and_gradients(model):
+    samples = _samples(model.config.vocab_size)
+    padded, packed = collate_padded(samples, pad_id=0), collate_packed(samples)
+    assert packed_rows(packed).input_ids.shape[0] > 1
+    results = []
+    for batch in (padded, packed):
+        model.zero_grad()
+        lp, logits = token_logprobs(model, batch, 0.8, return_logits=True)
+        loss = -(lp * batch["loss_mask"]).sum() + 1e-3 * (logits.float() ** 2).mean()
+        loss.backward()
+        results.append((lp.detach(), logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    model.zero_grad()
+    (lp_pad, logits_pad, g_pad), (lp_pack, logits_pack, g_pack) = results
+    assert lp_pack.shape == (1, sum(LENGTHS)) and logits_pack.shape == (1, sum(LENGTHS), model.config.vocab_size)
+    at = 0
+    for i, n in enumerate(LENGTHS):
+        torch.testing.assert_close(lp_pack[0, at : at + n], lp_pad[i, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits_pack[0, at : at + n], logits_pad[i, :n], atol=1e-5, rtol=0)
+        at += n
+    # the loss above weights the logits term by each layout's own mean: compare the log-prob part only
+    for batch in (padded, packed):
+        model.zero_grad()
+        (-(token_logprobs(model, batch, 0.8) * batch["loss_mask"]).sum()).backward()
+        results.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    model.zero_grad()
+    torch.testing.assert_close(results[3], results[2], atol=1e-5, rtol=1e-4)
+
+
+def test_row_budget_does_not_change_results(model):
+    batch = collate_packed(_samples(model.config.vocab_size))
+    with torch.no_grad():
+        bounded = token_logprobs(model, batch)
+        one_row = token_logprobs(model, batch, row_tokens=sum(LENGTHS))
+        wider = token_logprobs(model, batch, row_tokens=33)
+        explicit = token_logprobs(model, batch, block_mask="explicit")
+    for other in (one_row, wider, explicit):
+        torch.testing.assert_close(bounded, other, atol=1e-5, rtol=0)
+
+
+def test_layout_from_position_resets_alone(model):
+    """Without seq_lens/cu_seqlens the rows come from the position-id resets."""
+    batch = collate_packed(_samples(model.config.vocab_size))
+    bare = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    assert torch.equal(packed_rows(bare).index, packed_rows(batch).index)
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(model, bare), token_logprobs(model, batch), atol=0, rtol=0)
