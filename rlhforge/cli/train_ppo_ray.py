@@ -42,7 +42,7 @@ def check_environment(cfg: RLConfig) -> None:
     vLLM importable (and its CPU build's limits) when engines are asked for, reward-server URLs well
     formed. Raises :class:`ConfigError` naming the flag."""
     v = cfg.vllm
-    if v.num_engines:
+    if v.num_engines and not cfg.train.plan_only:  # a plan needs no vLLM here (it may be planned on a CPU machine)
         from rlhforge.rollout.vllm_engine import vllm_available, vllm_is_cpu_build
 
         if not vllm_available():
@@ -219,6 +219,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
     with user_errors(prog):
         cfg = parse_rl_args(argv, prog=prog)
         try:
+            if cfg.train.plan_only:  # no weights, no tokenizer: the placement plan (docs/distributed.md)
+                from rlhforge.distributed.plan_report import plan_only
+
+                return plan_only(cfg)
             run(cfg)
         except RewardServerError as err:  # every HTTP reward server failed (--reward.timeout/retries used up)
             print(f"{prog}: error: reward servers failed during the run: {err}", file=sys.stderr)

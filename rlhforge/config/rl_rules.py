@@ -331,6 +331,9 @@ def _validate_distributed(cfg) -> None:
         raise ConfigError(f"--train.workers local runs one worker per model, but the actor asks for {world} "
                           f"(--actor.num_nodes {cfg.actor.num_nodes} x --actor.num_gpus_per_node "
                           f"{cfg.actor.num_gpus_per_node}); use --train.workers ray")
+    if t.plan_only and t.workers == "local":
+        raise ConfigError("--train.plan_only plans the Ray placement groups, but --train.workers local runs every model "
+                          "in this process; drop --train.workers local (or use --train.workers ray)")
 
 
 def _validate_vllm(cfg) -> None:

@@ -139,7 +139,8 @@ def plan_placement(sizes: dict[str, int], *, device: str, colocate_all: bool = F
         for i in range(num_engines):
             bundles[f"engine{i}"] = engine_tp
             engines.append(EnginePlacement(i, f"engine{i}", tuple(range(engine_tp)), 1.0))
-    shares = {key: 1.0 / (len(names) + (1 if engines and engines[0].pg == key else 0)) for key, names in members.items()}
+    with_engines = engines[0].pg if engines else None  # the engines count as one member of a shared group
+    shares = {key: 1.0 / (len(names) + (key == with_engines)) for key, names in members.items()}
     groups = {name: GroupPlacement(name, sizes[name], key, shares[key])
               for key, names in members.items() for name in names}
     flags = tuple(f for f, on in (("colocate_all", colocate_all), ("colocate_actor_ref", colocate_actor_ref),

@@ -1,0 +1,308 @@
+"""``--train.plan_only``: the placement plan of an RL run and its memory per device, without weights.
+
+The arithmetic is pure (:func:`train_memory`, :func:`frozen_memory`, :func:`engine_weight_bytes`,
+:func:`memory_rows`, :func:`format_plan`); parameter counts come from a model folder's
+``config.json`` through a model built on the meta device (:func:`count_parameters`), so nothing is
+loaded. :func:`plan_only` is the command: validate, reach Ray, plan, check, create and remove the
+placement groups, print. docs/distributed.md ("Placement plan") states the rules.
+
+Memory per device, in GiB (2**30 bytes), ``p`` = bytes per parameter (bf16/fp16 2, fp32 4), ``N`` =
+the model's ranks, ``T`` = trainable parameters (all of them, or LoRA's adapters):
+
+- trained models (actor, critic): parameters ``P*p`` (``/N`` under ZeRO-3), gradients ``T*p`` (``/N``
+  under ZeRO-2/3), Adam states ``T*12`` under mixed precision (fp32 master + 2 moments; ``T*8`` in
+  fp32), ``/N`` under ZeRO-1/2/3, in host memory with ``--ds.adam_offload``;
+- frozen models (ref, reward): parameters only, sharded like the actor under ZeRO-3;
+- a vLLM engine: its weights ``P*p/TP`` per device, inside the ``--vllm.gpu_memory_utilization``
+  fraction of the device it reserves (weights + KV cache).
+
+Activations, CUDA context and fragmentation are not counted.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+__all__ = ["DTYPE_BYTES", "GIB", "MemoryEstimate", "train_memory", "frozen_memory", "engine_weight_bytes",
+           "count_parameters", "effective_zero_stage", "plan_sizes", "memory_rows", "format_plan", "plan_only"]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GIB = float(2 ** 30)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device (``host_optimizer``: bytes per rank in host memory)."""
+
+    params: float
+    grads: float = 0.0
+    optimizer: float = 0.0
+    host_optimizer: float = 0.0
+
+    @property
+    def device(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def train_memory(num_params: int, trainable: int, *, world: int, zero_stage: int, dtype_bytes: int,
+                 adam_offload: bool = False) -> MemoryEstimate:
+    """A trained model's bytes per device under ZeRO ``zero_stage`` over ``world`` ranks."""
+    params = num_params * dtype_bytes / (world if zero_stage >= 3 else 1)
+    grads = trainable * dtype_bytes / (world if zero_stage >= 2 else 1)
+    optim = trainable * (12 if dtype_bytes < 4 else 8) / (world if zero_stage >= 1 else 1)
+    if adam_offload:
+        return MemoryEstimate(params, grads, 0.0, optim)
+    return MemoryEstimate(params, grads, optim)
+
+
+def frozen_memory(num_params: int, *, world: int, zero_stage: int, dtype_bytes: int) -> MemoryEstimate:
+    """A frozen model (ref, reward): parameters only, sharded over ``world`` ranks under ZeRO-3."""
+    return MemoryEstimate(num_params * dtype_bytes / (world if zero_stage >= 3 else 1))
+
+
+def engine_weight_bytes(num_params: int, *, tp: int, dtype_bytes: int) -> float:
+    """One vLLM engine's weights on each of its ``tp`` devices."""
+    return num_params * dtype_bytes / tp
+
+
+def _lora_targets(name: str, module, targets: tuple[str, ...], heads: tuple[str, ...]) -> bool:
+    import torch
+
+    if not isinstance(module, torch.nn.Linear) or name.split(".")[-1] in heads:
+        return False
+    if tuple(targets) == ("all-linear",):
+        return True
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def count_parameters(path: str | None, *, value_model: bool = False, lora_rank: int = 0,
+                     lora_targets: tuple[str, ...] = ("all-linear",),
+                     trust_remote_code: bool = False) -> tuple[int, int] | None:
+    """``(parameters, trainable)`` of the model in ``path`` from its config.json alone (the model is built
+    on the meta device: no weights are read or allocated). ``value_model``: a sequence classifier with
+    one label (reward model, critic). ``trainable`` is every parameter, or with ``lora_rank > 0`` the
+    adapters ``r x (in + out)`` of each targeted linear layer (plus a value model's head, trained in
+    full). None when the config cannot be read or the model cannot be built."""
+    if not path:
+        return None
+    try:
+        import torch
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        auto = transformers.AutoModelForSequenceClassification if value_model else transformers.AutoModelForCausalLM
+        if value_model:
+            config.num_labels = 1
+        with torch.device("meta"):
+            model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - no folder, no config, an unknown architecture: "n/a"
+        return None
+    total = sum(p.numel() for p in model.parameters())
+    if lora_rank <= 0:
+        return total, total
+    heads = ("lm_head", "score", "classifier")
+    adapters = sum(lora_rank * (m.in_features + m.out_features) for n, m in model.named_modules()
+                   if _lora_targets(n, m, lora_targets, heads))
+    head = sum(p.numel() for n, p in model.named_parameters() if value_model and n.split(".")[0] in heads)
+    return total, adapters + head
+
+
+def effective_zero_stage(strategy: str, zero_stage: int) -> int:
+    """The partitioning a resolved strategy gives: DeepSpeed its stage, FSDP2 full sharding (3), torch none."""
+    return {"deepspeed": zero_stage, "fsdp2": 3}.get(strategy, 0)
+
+
+def plan_sizes(cfg) -> dict[str, int]:
+    """Ranks of each model the run places (``num_nodes x num_gpus_per_node``)."""
+    sizes = {"actor": cfg.actor.num_nodes * cfg.actor.num_gpus_per_node}
+    if cfg.uses_ref:
+        sizes["ref"] = cfg.ref.num_nodes * cfg.ref.num_gpus_per_node
+    if cfg.uses_critic:
+        sizes["critic"] = cfg.critic.num_nodes * cfg.critic.num_gpus_per_node
+    if cfg.reward.model_name_or_path and not cfg.reward.remote_url:  # reward model(s); a remote_url wins
+        sizes["reward"] = cfg.reward.num_nodes * cfg.reward.num_gpus_per_node
+    return sizes
+
+
+def model_paths(cfg) -> dict[str, list[str]]:
+    """Model -> its folder(s): every reward rank holds all the comma-separated reward models."""
+    actor = cfg.actor.model_name_or_path
+    rewards = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
+    return {"actor": [actor], "ref": [actor], "reward": rewards,
+            "critic": [cfg.critic.model_name_or_path or (rewards[0] if rewards else actor)]}
+
+
+def dtype_name(param_dtype: str, device: str) -> str:
+    return param_dtype if param_dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the plan: a model or an engine, where it sits and its memory per device."""
+
+    name: str
+    pg: str
+    bundles: tuple[int, ...]
+    share: float
+    num_params: int | None
+    memory: MemoryEstimate | None
+    engine_tp: int = 0
+
+
+def memory_rows(plan, counts: dict[str, tuple[int, int] | None], *, dtype_bytes: int, zero_stage: int,
+                adam_offload: bool) -> list[Row]:
+    """``plan``: a :class:`~rlhforge.distributed.placement.PlacementPlan`; ``counts``: model name ->
+    ``(parameters, trainable)`` or None (engines use the actor's)."""
+    rows = []
+    for name, g in plan.groups.items():
+        c = counts.get(name)
+        mem = None
+        if c is not None:
+            if name in ("actor", "critic"):
+                mem = train_memory(c[0], c[1], world=g.num_workers, zero_stage=zero_stage, dtype_bytes=dtype_bytes,
+                                   adam_offload=adam_offload)
+            else:
+                mem = frozen_memory(c[0], world=g.num_workers, zero_stage=zero_stage, dtype_bytes=dtype_bytes)
+        rows.append(Row(name, g.pg, tuple(range(g.num_workers)), g.share, c[0] if c else None, mem))
+    actor = counts.get("actor")
+    for e in plan.engines:
+        tp = len(e.bundle_indices)
+        mem = MemoryEstimate(engine_weight_bytes(actor[0], tp=tp, dtype_bytes=dtype_bytes)) if actor else None
+        rows.append(Row(f"engine {e.index}", e.pg, e.bundle_indices, e.share, actor[0] if actor else None, mem, tp))
+    return rows
+
+
+def _span(ix: tuple[int, ...]) -> str:
+    return f"{ix[0]}-{ix[-1]}" if len(ix) > 1 else str(ix[0])
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def _memory_text(row: Row, gpu_util: float | None) -> str:
+    m = row.memory
+    if m is None:
+        return "n/a (config.json not readable)"
+    if row.engine_tp:
+        inside = f" inside vLLM's {gpu_util:g} x device memory" if gpu_util is not None else ""
+        return f"weights {_gib(m.params)} GiB{inside}"
+    parts = [f"params {_gib(m.params)}"]
+    if m.grads or m.optimizer or m.host_optimizer:
+        parts += [f"grads {_gib(m.grads)}", f"optimizer {_gib(m.optimizer)}"]
+    text = " + ".join(parts) + f" = {_gib(m.device)} GiB"
+    if m.host_optimizer:
+        text += f" (+ optimizer {_gib(m.host_optimizer)} GiB per rank in host memory: --ds.adam_offload)"
+    return text
+
+
+def group_totals(plan, rows: list[Row]) -> dict[str, float | None]:
+    """Placement group -> the models' bytes on its busiest device (colocated members summed; None: n/a)."""
+    out: dict[str, float | None] = {}
+    for key in plan.bundles:
+        members = [r for r in rows if r.pg == key and not r.engine_tp]
+        out[key] = None if any(r.memory is None for r in members) else sum(r.memory.device for r in members)
+    return out
+
+
+def format_plan(plan, rows: list[Row], *, dtype: str, zero_stage: int, strategy: str, adam_offload: bool,
+                gpu_util: float | None = None, engine_sleep: bool = False, available: dict | None = None) -> str:
+    """The printout of ``--train.plan_only`` (docs/distributed.md shows one)."""
+    unit = "GPU" if plan.device == "cuda" else "CPU"
+    p = DTYPE_BYTES[dtype]
+    have = "" if available is None else (f"; the Ray cluster has {available.get('GPU', 0):g} GPU(s), "
+                                         f"{available.get('CPU', 0):g} CPU(s) free")
+    lines = [f"[rlhforge] placement plan: {plan.total_bundles} {unit} bundle(s) in {len(plan.bundles)} placement "
+             f"group(s){have}",
+             f"  memory per device: {dtype} parameters ({p} bytes), {strategy} with ZeRO-{zero_stage} partitioning "
+             f"over each model's ranks, Adam {12 if p < 4 else 8} bytes per trained parameter"
+             f"{' in host memory (--ds.adam_offload)' if adam_offload else ''}; activations not counted",
+             f"  {'member':<10} {'group':<8} {'bundles':<8} {unit + ' each':<9} {'params':>8}  memory per device (GiB)"]
+    for r in rows:
+        params = "n/a" if r.num_params is None else f"{r.num_params / 1e9:.2f}B"
+        where = f"TP {r.engine_tp}" if r.engine_tp else f"x{len(r.bundles)}"
+        lines.append(f"  {r.name:<10} {r.pg:<8} {_span(r.bundles) + ' ' + where:<8} {r.share:<9.3g} {params:>8}  "
+                     f"{_memory_text(r, gpu_util)}")
+    totals = group_totals(plan, rows)
+    for key, n in plan.bundles.items():
+        engines = [r for r in rows if r.pg == key and r.engine_tp]
+        members = [r.name for r in rows if r.pg == key and not r.engine_tp]
+        total = totals[key]
+        shown = "n/a" if total is None else _gib(total)
+        text = [f"{shown} GiB of models ({' + '.join(members)})"] if members else []
+        if engines:
+            text.append(f"vLLM's {gpu_util:g} x device memory ({len(engines)} engine(s) x TP {engines[0].engine_tp})")
+        lines.append(f"  total per device, group {key} ({n} bundle(s)): {' + '.join(text)}")
+    if engine_sleep and any(r.engine_tp for r in rows):
+        lines.append("  --vllm.enable_sleep: the engines release their memory while the models train")
+    return "\n".join(lines)
+
+
+def plan_only(cfg, log=print) -> int:
+    """``--train.plan_only``: plan the run on the Ray cluster it reaches, prove Ray can place it, print it."""
+    import ray
+
+    from rlhforge.config.rl_rules import rl_strategy
+    from rlhforge.distributed.launch import init_ray, ray_device
+    from rlhforge.distributed.placement import check_resources, plan_placement
+    from rlhforge.distributed.ray_group import create_placement_groups
+    from ray.util.placement_group import remove_placement_group
+
+    init_ray()
+    device = ray_device(cfg.train.device)
+    v = cfg.vllm
+    plan = plan_placement(plan_sizes(cfg), device=device, colocate_all=cfg.train.colocate_all,
+                          colocate_actor_ref=cfg.train.colocate_actor_ref,
+                          colocate_critic_reward=cfg.train.colocate_critic_reward,
+                          num_engines=v.num_engines or 0, engine_tp=v.tensor_parallel_size)
+    available = ray.available_resources()
+    check_resources(plan, available)
+    text = report(cfg, plan, available=available, strategy=rl_strategy(cfg))
+    pgs = create_placement_groups(plan)
+    try:
+        log(text)
+        log(f"[rlhforge] plan_only: Ray placed {len(pgs)} placement group(s) ({plan.describe()}); removed them; "
+            f"no weights loaded")
+    finally:
+        for pg in pgs.values():
+            remove_placement_group(pg)
+        _wait_released(ray, "GPU" if device == "cuda" else "CPU", available)
+    sys.stdout.flush()
+    return 0
+
+
+def _wait_released(ray, kind: str, before: dict, timeout_s: float = 10.0) -> None:
+    """Ray frees a removed group's resources asynchronously; return once they are back (bounded)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get(kind, 0.0) + 1e-9 < before.get(kind, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def report(cfg, plan, *, available=None, strategy: str = "deepspeed") -> str:
+    """The plan of ``cfg`` as :func:`format_plan` prints it (parameter counts from the config.json files)."""
+    dtype = dtype_name(cfg.ds.param_dtype, plan.device)
+    stage = effective_zero_stage(strategy, cfg.ds.zero_stage)
+    lora = cfg.ds.lora
+    paths = model_paths(cfg)
+    cache: dict[tuple, tuple[int, int] | None] = {}
+    counts = {}
+    for name in plan.groups:
+        value = name in ("critic", "reward")
+        rank = lora.rank if name in ("actor", "critic") else 0
+        found = []
+        for path in paths[name]:
+            key = (path, value, rank)
+            if key not in cache:
+                cache[key] = count_parameters(path, value_model=value, lora_rank=rank,
+                                              lora_targets=tuple(lora.target_modules),
+                                              trust_remote_code=cfg.actor.trust_remote_code)
+            found.append(cache[key])
+        counts[name] = None if not found or None in found else (sum(c[0] for c in found), sum(c[1] for c in found))
+    offload = cfg.ds.adam_offload and stage >= 1  # DeepSpeed's offload_optimizer (ZeRO-1 and up)
+    rows = memory_rows(plan, counts, dtype_bytes=DTYPE_BYTES[dtype], zero_stage=stage, adam_offload=offload)
+    return format_plan(plan, rows, dtype=dtype, zero_stage=stage, strategy=strategy, adam_offload=offload,
+                       gpu_util=cfg.vllm.gpu_memory_utilization if plan.engines else None,
+                       engine_sleep=cfg.vllm.enable_sleep, available=available)
