@@ -3,9 +3,12 @@
 The engine holds its own copy of the policy (``HFEngine.from_model`` deep-copies the trainer's
 module; ``HFEngine.from_pretrained`` loads a folder) and decodes a batch of left-padded prompts
 token by token with the model's ``DynamicCache``. Sampling (temperature, top-p, top-k) is done
-here, per row, with a ``torch.Generator`` seeded from the request, so each request's tokens depend
-only on its prompt, parameters, seed and the weights - not on the other rows of the batch or on
-global RNG state. ``update_weights`` copies the trainer's state dict in (the weight sync).
+for the whole batch at once (:func:`rlhforge.rollout.hf_generate.sample_batch`) with counter-based
+noise keyed by each request's seed and response position, so each request's tokens depend only on
+its prompt, parameters, seed and the weights - not on the other rows of the batch or on global RNG
+state (a request without a seed draws one from the global torch RNG). The sampled tokens'
+log-probs come from the same pass, and rows that finished leave the batch (and its KV cache).
+``update_weights`` copies the trainer's state dict in (the weight sync).
 
 Each decoding step holds the engine's lock, and so does ``update_weights``: a weight sync from
 another thread (async training with ``--train.partial_rollout_enable``) lands between two decoding
@@ -28,18 +31,9 @@ __all__ = ["HFEngine", "filter_logits"]
 
 def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     """Mask (``-inf``) tokens outside top-k and the top-p nucleus of one row of logits [V]."""
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cum = probs.cumsum(-1)
-        remove = cum - probs >= top_p  # keep tokens until the mass before them reaches top_p
-        remove[0] = False
-        logits = logits.clone()
-        logits[order[remove]] = float("-inf")
-    return logits
+    from rlhforge.rollout.hf_generate import filter_logits_batch
+
+    return filter_logits_batch(logits[None], torch.tensor([float(top_p)]), torch.tensor([int(top_k or 0)]))[0]
 
 
 class HFEngine:
@@ -108,62 +102,71 @@ class HFEngine:
     def _generate_batch(self, prompts, params: Sequence[SamplingParams]) -> list[GenerationOutput]:
         from transformers import DynamicCache
 
+        from rlhforge.rollout.hf_generate import sample_batch, seed_keys
+
         n = len(prompts)
         if any(len(p) == 0 for p in prompts):
             raise ValueError("cannot generate from an empty prompt")
-        width = max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-            attn[row, width - len(p):] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        gens = []
-        for sp in params:
-            if sp.seed is None:
-                gens.append(None)
-            else:
-                g = torch.Generator(device="cpu")
-                g.manual_seed(int(sp.seed) % (2**63))
-                gens.append(g)
-        stops = [set(sp.stop_token_ids) | set(self.eos_token_ids) for sp in params]
-        max_new = max(sp.max_new_tokens for sp in params)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        reasons = ["length"] * n
-        done = [sp.max_new_tokens <= 0 for sp in params]
+        # a request without a seed draws one from the global torch RNG (reproducible under manual_seed)
+        seeds = [int(sp.seed) if sp.seed is not None else int(torch.randint(0, 2**62, ())) for sp in params]
+        outputs = [GenerationOutput([], [], "length") for _ in range(n)]
+        rows = [i for i in range(n) if params[i].max_new_tokens > 0]
+        if not rows:
+            return outputs
+        dev = self.device
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, width - len(prompts[i]):] = torch.as_tensor(list(prompts[i]), dtype=torch.long)
+            attn[r, width - len(prompts[i]):] = 1
+        ps = [params[i] for i in rows]
+        temperature = torch.tensor([float(sp.temperature) for sp in ps], device=dev)
+        top_p = torch.tensor([float(sp.top_p) for sp in ps], device=dev)
+        top_k = torch.tensor([int(sp.top_k or 0) for sp in ps], device=dev)
+        keys = seed_keys([seeds[i] for i in rows]).to(dev)
+        max_new = torch.tensor([sp.max_new_tokens for sp in ps], device=dev)
+        stop_sets = [sorted(set(sp.stop_token_ids) | set(self.eos_token_ids)) for sp in ps]
+        stops = torch.full((len(rows), max(len(s) for s in stop_sets)), -1, dtype=torch.long)
+        for r, st in enumerate(stop_sets):
+            stops[r, : len(st)] = torch.tensor(st, dtype=torch.long)
+        stops = stops.to(dev)
+        steps = int(max_new.max())
+        out_tokens = torch.zeros((len(rows), steps), dtype=torch.long, device=dev)
+        out_logps = torch.zeros((len(rows), steps), dtype=torch.float32, device=dev)
+        lengths = torch.zeros(len(rows), dtype=torch.long, device=dev)
+        stopped = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+        alive = torch.arange(len(rows), device=dev)  # output row of each row of the running batch
+        active = torch.ones(len(rows), dtype=torch.bool, device=dev)  # still decoding (else carried until compaction)
+        ids, attn = ids.to(dev), attn.to(dev)
         cache = DynamicCache()
         position = (attn.cumsum(-1) - 1).clamp(min=0)
         step_ids = ids
-        for _ in range(max_new):
-            if all(done):
-                break
+        for t in range(steps):
             with self._lock:
                 logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=position,
-                                    past_key_values=cache, use_cache=True).logits[:, -1, :].float().cpu()
-            next_ids = torch.full((n,), self.pad_token_id, dtype=torch.long)
-            for row in range(n):
-                if done[row]:
-                    continue
-                sp = params[row]
-                row_logits = logits[row]
-                if sp.temperature > 0:
-                    scaled = row_logits / sp.temperature
-                    logp_all = torch.log_softmax(scaled, dim=-1)
-                    filtered = filter_logits(scaled, sp.top_p, sp.top_k)
-                    probs = torch.softmax(filtered, dim=-1)
-                    tok = int(torch.multinomial(probs, 1, generator=gens[row]).item())
-                else:
-                    logp_all = torch.log_softmax(row_logits, dim=-1)
-                    tok = int(torch.argmax(row_logits).item())
-                next_ids[row] = tok
-                tokens[row].append(tok)
-                logps[row].append(float(logp_all[tok]))
-                if tok in stops[row]:
-                    done[row], reasons[row] = True, "stop"
-                elif len(tokens[row]) >= sp.max_new_tokens:
-                    done[row] = True
-            step_ids = next_ids[:, None].to(self.device)
-            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=attn.device)], dim=1)
+                                    past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+            tok, logp = sample_batch(logits, temperature[alive], top_p[alive], top_k[alive], keys[alive], t)
+            out_tokens[alive, t] = torch.where(active, tok, out_tokens[alive, t])
+            out_logps[alive, t] = torch.where(active, logp, out_logps[alive, t])
+            lengths[alive] = torch.where(active, t + 1, lengths[alive])
+            is_stop = active & (tok[:, None] == stops[alive]).any(-1)
+            stopped[alive] |= is_stop
+            active = active & ~is_stop & (t + 1 < max_new[alive])
+            n_active = int(active.sum())  # the one host sync per step
+            if n_active == 0:
+                break
+            if len(active) - n_active >= max(1, len(active) // 4):  # drop finished rows (and their KV cache)
+                kept = active.nonzero()[:, 0]
+                cache.batch_select_indices(kept)
+                alive, tok, attn, position = alive[kept], tok[kept], attn[kept], position[kept]
+                active = active[kept]
+            step_ids = tok[:, None]
+            attn = torch.cat([attn, torch.ones((attn.shape[0], 1), dtype=attn.dtype, device=attn.device)], dim=1)
             position = position[:, -1:] + 1
-        return [GenerationOutput(tokens[i], logps[i], reasons[i]) for i in range(n)]
+        tokens, logps = out_tokens.cpu().tolist(), out_logps.cpu().tolist()
+        lengths_l, stopped_l = lengths.cpu().tolist(), stopped.cpu().tolist()
+        for r, i in enumerate(rows):
+            k = lengths_l[r]
+            outputs[i] = GenerationOutput(tokens[r][:k], logps[r][:k], "stop" if stopped_l[r] else "length")
+        return outputs

@@ -1,10 +1,117 @@
-"""Batched generation with HF ``generate`` (KV cache, left padding): token ids in, token ids out."""
+"""Generation helpers: batched HF ``generate`` (:func:`generate_ids`) and the HF engine's batched sampler.
+
+Sampling for the engine (:func:`sample_batch`) draws every row of a decoding step at once, with
+*counter-based* noise: the uniform noise for row ``b``, vocabulary entry ``v`` at response position
+``t`` is a hash of ``(seed_b, t, v)`` (:func:`counter_uniform`), and the token is the Gumbel-max
+``argmax(logits / T + Gumbel(noise))`` over the top-k / top-p filtered logits, which is an exact
+draw from ``softmax`` of the filtered logits. A request's tokens therefore depend only on its
+prompt, parameters, seed and the weights: not on the other rows of the batch, on the order of the
+rows, or on any global RNG state. The log-prob of each sampled token under
+``log_softmax(logits / T)`` (before filtering; ``T = 1`` when greedy) comes from the same pass.
+"""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+from torch import Tensor
+
+__all__ = ["generate_ids", "counter_uniform", "filter_logits_batch", "sample_batch", "seed_keys"]
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``(x * c) mod 2**32`` for int64 tensors of 32-bit values. A constant above 2**31 is used as
+    ``c - 2**32`` (same low 32 bits), so the int64 product never overflows."""
+    return (x * (c - 2**32 if c >= 2**31 else c)) & _MASK32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (``lowbias32``, C. Wellons) on int64 tensors of 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seed_keys(seeds: Sequence[int]) -> Tensor:
+    """[B] int64 32-bit keys from 64-bit request seeds (both halves of the seed count)."""
+    seeds = [int(s) % 2**64 for s in seeds]
+    lo = torch.tensor([s & _MASK32 for s in seeds], dtype=torch.long)
+    hi = torch.tensor([s >> 32 for s in seeds], dtype=torch.long)
+    return _mix32(_mix32(lo) ^ _mix32(hi ^ 0x5BD1E995))
+
+
+_VOCAB_HASH: dict[tuple[int, str], Tensor] = {}
+
+
+def _vocab_hash(vocab: int, device: torch.device) -> Tensor:
+    key = (vocab, str(device))
+    if key not in _VOCAB_HASH:
+        _VOCAB_HASH[key] = _mix32(_mul32(torch.arange(vocab, dtype=torch.long, device=device), 0x85EBCA6B) ^ 0x27D4EB2F)
+    return _VOCAB_HASH[key]
+
+
+def counter_uniform(keys: Tensor, step: int, vocab: int) -> Tensor:
+    """[B, V] float32 uniform noise in (0, 1), a pure function of ``(keys[b], step, v)``."""
+    k = _mix32(keys ^ _mul32(torch.full_like(keys, int(step) & _MASK32), 0x9E3779B9))  # [B]: (seed, step)
+    h = _mix32(k[:, None] ^ _vocab_hash(vocab, keys.device)[None, :])  # a bijection of v for each (seed, step)
+    # 23 bits: (m + 0.5) / 2**23 is exact in float32, so the noise never reaches 0 or 1
+    return ((h >> 9).float() + 0.5) * (1.0 / 2**23)
+
+
+def filter_logits_batch(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+    """Mask (``-inf``) tokens outside each row's top-k, then outside its top-p nucleus. [B, V].
+
+    ``top_k`` [B] int (<= 0 or >= V: all), ``top_p`` [B] float (>= 1: all). Rows without either
+    are returned unchanged; top-p keeps tokens until the mass before them reaches ``top_p``.
+    """
+    vocab = logits.shape[-1]
+    use_k = (top_k > 0) & (top_k < vocab)
+    use_p = top_p < 1.0
+    if not bool(use_k.any()) and not bool(use_p.any()):
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    if bool(use_k.any()):
+        kth = sorted_logits.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])  # [B, 1]
+        drop = use_k[:, None] & (sorted_logits < kth)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if bool(use_p.any()):
+        probs = torch.softmax(sorted_logits, dim=-1)
+        remove = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        remove[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(remove & use_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, step: int
+                 ) -> tuple[Tensor, Tensor]:
+    """One token per row and its log-prob, all rows at once.
+
+    Args:
+        logits: [B, V] float32 next-token logits.
+        temperature: [B] float; 0 means greedy (argmax, log-prob under ``log_softmax(logits)``).
+        top_p, top_k: [B] per-row filters (see :func:`filter_logits_batch`); greedy rows ignore them.
+        keys: [B] int64 per-request keys (:func:`seed_keys`).
+        step: the response position being sampled (0 for the first generated token).
+
+    Returns:
+        ``(tokens [B] int64, logprobs [B] float32)`` with log-probs of ``log_softmax(logits / T)``.
+    """
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / scale[:, None]
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    if not bool(greedy.all()):
+        filtered = filter_logits_batch(scaled, top_p, top_k)
+        gumbel = -torch.log(-torch.log(counter_uniform(keys.to(logits.device), step, logits.shape[-1])))
+        sampled = torch.argmax(filtered + gumbel, dim=-1)
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
 
 
 @torch.no_grad()

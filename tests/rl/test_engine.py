@@ -85,3 +85,56 @@ def test_update_weights_changes_the_engine(engine_and_tok, tiny_model_dir):
     with pytest.raises(ValueError, match="unexpected"):
         engine.update_weights({"nope": torch.zeros(1)})
     engine.update_weights(original)
+
+
+def test_mixed_batch_seeds_greedy_and_logprobs(engine_and_tok):
+    """One batch mixing greedy, temperatures, top-k/top-p and lengths (rows leave the batch at different
+    steps): every request equals its run alone, in another order and another batch size, and its
+    log-probs equal log_softmax(logits / T) of a separate forward."""
+    from rlhforge.models.forward import token_logprobs
+
+    engine, tok = engine_and_tok
+    prompts = _prompts(tok, ["What is 1 + 2?", "Reverse: abc", "hi", "Count to five", "2 * 3 =", "ok"])
+    params = [SamplingParams(max_new_tokens=9, temperature=1.0, seed=5),
+              SamplingParams(max_new_tokens=3, temperature=0.0),
+              SamplingParams(max_new_tokens=7, temperature=0.6, top_k=5, seed=6),
+              SamplingParams(max_new_tokens=9, temperature=1.3, top_p=0.8, seed=7),
+              SamplingParams(max_new_tokens=1, temperature=1.0, seed=8),
+              SamplingParams(max_new_tokens=9, temperature=0.9, top_p=0.9, top_k=20, seed=9)]
+    big = HFEngine(engine.model, pad_token_id=engine.pad_token_id, eos_token_id=list(engine.eos_token_ids), batch_size=8)
+    together = big.generate_sync(prompts, params)
+    order = [3, 0, 5, 1, 4, 2]
+    shuffled = big.generate_sync([prompts[i] for i in order], [params[i] for i in order])
+    for j, i in enumerate(order):
+        assert shuffled[j].token_ids == together[i].token_ids
+    for p, sp, o in zip(prompts, params, together):
+        alone = big.generate_sync([p], [sp])[0]
+        assert alone.token_ids == o.token_ids and alone.finish_reason == o.finish_reason
+        assert 1 <= len(o.token_ids) <= sp.max_new_tokens
+        ids = torch.tensor([p + o.token_ids])
+        with torch.no_grad():
+            lp = token_logprobs(engine.model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                sp.temperature if sp.temperature > 0 else 1.0)
+        torch.testing.assert_close(lp[0, len(p):], torch.tensor(o.logprobs), atol=1e-5, rtol=0)
+
+
+def test_greedy_equals_transformers_generate(engine_and_tok):
+    engine, tok = engine_and_tok
+    prompts = _prompts(tok, ["What is 1 + 2?", "Reverse the letters: abc please", "hi"])
+    outs = engine.generate_sync(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+    for p, o in zip(prompts, outs):
+        ref = engine.model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    max_new_tokens=8, do_sample=False, pad_token_id=engine.pad_token_id,
+                                    eos_token_id=list(engine.eos_token_ids))[0, len(p):].tolist()
+        assert o.token_ids == ref
+
+
+def test_unseeded_requests_follow_the_global_rng(engine_and_tok):
+    engine, tok = engine_and_tok
+    prompts = _prompts(tok, ["hi", "ok"])
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0)
+    torch.manual_seed(3)
+    a = engine.generate_sync(prompts, sp)
+    torch.manual_seed(3)
+    b = engine.generate_sync(prompts, sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]

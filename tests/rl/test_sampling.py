@@ -1,0 +1,70 @@
+"""The HF engine's batched sampler: counter-based noise, exact Gumbel-max draws, top-k/top-p per row."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhforge.rollout.hf_generate import counter_uniform, filter_logits_batch, sample_batch, seed_keys
+
+
+def _filter_one(logits, top_p, top_k):
+    """The per-row reference (the engine's former filter)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        remove = probs.cumsum(-1) - probs >= top_p
+        remove[0] = False
+        logits = logits.clone()
+        logits[order[remove]] = float("-inf")
+    return logits
+
+
+def test_noise_is_a_function_of_seed_step_and_token():
+    keys = seed_keys([1, 2, 2**63 + 1, 1])
+    u = counter_uniform(keys, 0, 500)
+    assert torch.equal(u[0], u[3]) and not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert torch.equal(counter_uniform(keys[1:2], 0, 500)[0], u[1])  # not the batch
+    assert not torch.equal(counter_uniform(keys, 1, 500)[0], u[0])  # the step
+    assert torch.equal(counter_uniform(keys, 0, 600)[:, :500], u)  # a token's noise does not depend on V
+    big = counter_uniform(seed_keys(range(400)), 7, 1000)
+    assert 0 < float(big.min()) and float(big.max()) < 1
+    assert abs(float(big.mean()) - 0.5) < 0.005 and abs(float(big.std()) - 12 ** -0.5) < 0.005
+    hist = torch.histc(big, 10, 0, 1) / big.numel()
+    assert (hist - 0.1).abs().max() < 0.005
+
+
+def test_batched_filter_equals_the_per_row_filter():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 2
+    top_p = torch.tensor([1.0, 0.5, 0.9, 1.0, 0.3, 0.99])
+    top_k = torch.tensor([-1, -1, 10, 3, 5, 0])
+    out = filter_logits_batch(logits, top_p, top_k)
+    for b in range(6):
+        assert torch.equal(out[b], _filter_one(logits[b], float(top_p[b]), int(top_k[b])))
+
+
+def test_gumbel_max_draws_follow_the_filtered_softmax():
+    n = 40000
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]]).repeat(n, 1)
+    keys = seed_keys(range(n))
+    ones = torch.ones(n)
+    for temperature, top_p, top_k in ((1.0, 1.0, -1), (0.5, 1.0, -1), (1.0, 0.8, -1), (1.0, 1.0, 2)):
+        tok, lp = sample_batch(logits, ones * temperature, ones * top_p, torch.full((n,), top_k), keys, 0)
+        want = torch.softmax(_filter_one(logits[0] / temperature, top_p, top_k), -1)
+        freq = torch.bincount(tok, minlength=5).float() / n
+        assert (freq - want).abs().max() < 0.01, (temperature, top_p, top_k, freq, want)
+        assert (want[tok] > 0).all()  # never outside the filtered set
+        full = torch.log_softmax(logits[0] / temperature, -1)  # log-probs before filtering
+        torch.testing.assert_close(lp, full[tok], atol=1e-6, rtol=0)
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    temperature = torch.tensor([0.0, 1.0, 0.0, 0.7])
+    tok, lp = sample_batch(logits, temperature, torch.ones(4), torch.full((4,), -1), seed_keys(range(4)), 3)
+    assert tok[0] == logits[0].argmax() and tok[2] == logits[2].argmax()
+    torch.testing.assert_close(lp[0], torch.log_softmax(logits[0], -1)[tok[0]])
+    torch.testing.assert_close(lp[3], torch.log_softmax(logits[3] / 0.7, -1)[tok[3]])
