@@ -150,7 +150,12 @@ def build_trainer(cfg: RLConfig):
     from rlhforge.agents.loader import build_executor
 
     executor = build_executor(cfg, tokenizer, reward_source)  # single-turn unless --train.agent_func_path
-    if cfg.vllm.num_engines:  # vLLM engines load the actor's folder; the trainer syncs weights after each step
+    if cfg.vllm.num_engines and ray_mode:  # engine actors on their bundles, synced from actor rank 0
+        from rlhforge.distributed.engine_actors import build_engine_actors
+
+        engine = build_engine_actors(cfg, tokenizer, _vllm_max_model_len(cfg, prompts, eval_prompts), placement,
+                                     actor.pgs)
+    elif cfg.vllm.num_engines:  # vLLM engines load the actor's folder; the trainer syncs weights after each step
         from rlhforge.rollout.vllm_engine import build_vllm_engines
 
         engine = build_vllm_engines(cfg, tokenizer, max_model_len=_vllm_max_model_len(cfg, prompts, eval_prompts))
@@ -172,6 +177,7 @@ def build_trainer(cfg: RLConfig):
           f"{' + critic' if critic else ''}; reward: {reward_source.name if reward_source else 'from the agent'}"
           f"{f'; agent: {executor.name}' if cfg.train.agent_func_path else ''}; {strategy_name}"
           f"; generation: {f'{cfg.vllm.num_engines} vLLM engine(s)' if cfg.vllm.num_engines else 'HF engine'}"
+          f"{' (Ray actors)' if cfg.vllm.num_engines and ray_mode else ''}"
           f"{f'; async (queue {cfg.train.async_queue_size})' if cfg.train.async_enable else ''}")
     logger = MetricsLogger(out, cfg.logger, enabled=True, config=to_dict(cfg))
     trainer = RLTrainer(cfg, tokenizer, prompts, eval_prompts, plan, actor=actor, ref=ref, critic=critic,

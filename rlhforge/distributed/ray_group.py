@@ -86,7 +86,10 @@ class RayWorkerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        import threading
+
         self.name, self.world_size = name, num_workers
+        self._submit_lock = threading.Lock()
         remote_host = ray.remote(WorkerHost)
         base_env = {"LOCAL_RANK": "0", **(env or {})}
         self.hosts = []
@@ -140,14 +143,31 @@ class RayWorkerGroup:
 
     def call(self, method: str, *args, **kwargs) -> list[Any]:
         """The same call on every rank; one result per rank."""
-        return self._get([h.run.remote(method, args, kwargs) for h in self.hosts], method)
+        return self._get(self.submit(method, *args, **kwargs), method)
+
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """Start the same call on every rank; returns the Ray object refs (rank order). Submissions from
+        several driver threads never interleave across ranks (every rank runs the calls in the same
+        order, so collectives inside them pair up)."""
+        with self._submit_lock:
+            return [h.run.remote(method, args, kwargs) for h in self.hosts]
+
+    def wait(self, refs: Sequence, what: str) -> list[Any]:
+        """Results of refs from :meth:`submit`, a failing rank named (see ``_get``)."""
+        return self._get(refs, what)
+
+    def rank0_address(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port there (it hosts the weight-sync group's store)."""
+        return self._get([self.hosts[0].address.remote()], "address")[0]
 
     def _map(self, method: str, items: Sequence, args, kwargs, pad) -> tuple[list, list[list[int]], list[int]]:
         import ray
 
         shards = balanced_shards(lengths_of(items), self.world_size)
         chunks, real = pad_shards(items, shards, pad)
-        refs = [h.run_items.remote(method, ray.put(chunk), args, kwargs) for h, chunk in zip(self.hosts, chunks)]
+        chunk_refs = [ray.put(chunk) for chunk in chunks]
+        with self._submit_lock:
+            refs = [h.run_items.remote(method, ref, args, kwargs) for h, ref in zip(self.hosts, chunk_refs)]
         return self._get(refs, method), shards, real
 
     def map_gather(self, method: str, items: Sequence, *args, **kwargs) -> list[Any]:
@@ -198,11 +218,12 @@ class RayWorkerGroup:
         return box["value"]
 
     def open_weight_channel(self, bucket_mb: int) -> None:
-        """A dedicated gloo group between the driver and rank 0 for :meth:`gather_weights`."""
-        from rlhforge.distributed.weight_sync import WeightReceiver
+        """A dedicated two-member gloo group, rank 0 -> the driver, for :meth:`gather_weights`."""
+        from rlhforge.distributed.weight_sync import DriverReceiver
 
-        receiver = WeightReceiver()
-        ref = self.hosts[0].run.remote("open_weight_channel", (*receiver.address, bucket_mb * 2**20), {})
+        host, port = self.rank0_address()
+        receiver = DriverReceiver(host, port)
+        ref = self.hosts[0].run.remote("open_weight_channel", (host, port, 2, bucket_mb * 2**20), {})
         self._wait_with([ref], "opening the weight-sync channel", receiver.connect)
         self.receiver = receiver
 
@@ -211,8 +232,7 @@ class RayWorkerGroup:
         without one, returns them through Ray's object store)."""
         if getattr(self, "receiver", None) is None:
             return self.call("engine_state_dict")[0]
-        refs = [h.run.remote("send_weights", (), {}) for h in self.hosts]
-        return self._wait_with(refs, "send_weights", self.receiver.receive)
+        return self._wait_with(self.submit("send_weights"), "send_weights", self.receiver.receive)
 
     def pids(self) -> list[int]:
         return self._get([h.pid.remote() for h in self.hosts], "pid")

@@ -250,14 +250,19 @@ class ActorWorker(_TrainableWorker):
             state = merged_lora_state(state, self.strategy.module)
         return state
 
-    # -- weight sync to the driver's engines over a dedicated channel (Ray workers) -------------
-    def open_weight_channel(self, host: str, port: int, bucket_bytes: int) -> None:
-        from rlhforge.distributed.weight_sync import WeightSender
+    # -- weight sync over a dedicated group (Ray workers; rlhforge.distributed.weight_sync) --------
+    def open_weight_channel(self, host: str, port: int, world_size: int, bucket_bytes: int,
+                            backend: str = "gloo", timeout_s: float = 1800.0) -> None:
+        """Rank 0 only: host a new sync group (the previous one, if any, is dropped) and join it as sender."""
+        from rlhforge.backend.collective import SyncGroup
 
-        self._sender = WeightSender(host, port, bucket_bytes)
+        device = str(self.device) if backend == "nccl" else "cpu"
+        self._sender = None
+        self._sender = SyncGroup(host, port, 0, world_size, backend, device, timeout_s)
+        self._bucket_bytes = int(bucket_bytes)
 
     def send_weights(self) -> int:
-        """All ranks gather; rank 0 broadcasts to the driver. Returns the number of buckets (rank 0)."""
+        """All ranks gather; rank 0 broadcasts to the group. Returns the number of buckets (rank 0)."""
         state = self.engine_state_dict()
         if state is None:
             return 0

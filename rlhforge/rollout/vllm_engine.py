@@ -187,14 +187,13 @@ class VLLMEngine:
             self.load -= work
         return [self._convert(o, sp) for o, sp in zip(outs, params)]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+                       fingerprint: bool = False) -> None:
         pairs = _pairs(named_tensors)
         with self._lock, self._engine_threads():
-            if self._asleep and not self._weights_awake:  # GPU sleep mode: bring the weights back first
-                self.llm.wake_up(tags=["weights"])
-                self._weights_awake = True
+            self._wake_weights()
             if self.in_process:
-                self.llm.collective_rpc("rlhforge_load_tensors", args=(pairs,))
+                self.llm.collective_rpc("rlhforge_load_tensors", args=(pairs, fingerprint))
             else:
                 from safetensors.torch import save
 
@@ -214,6 +213,40 @@ class VLLMEngine:
                     self.llm.collective_rpc("rlhforge_clear_staged")
                     raise
             self.reset_prefix_cache()
+
+    # -- weight sync from a trainer rank over a collective (engine actors) ------------------------
+    def join_sync_group(self, host: str, port: int, rank_base: int, world_size: int, backend: str = "gloo",
+                        timeout_s: float = 1800.0) -> list[int]:
+        """Every worker of this engine joins the sync group (ranks ``rank_base ..``); returns their ranks."""
+        with self._lock, self._engine_threads():
+            return list(self.llm.collective_rpc("rlhforge_join_sync_group",
+                                                args=(host, port, rank_base, world_size, backend, timeout_s)))
+
+    def receive_weights(self, fingerprint: bool = False) -> str | None:
+        """Take part in one broadcast of the sync group and reload from it (then reset the prefix cache)."""
+        with self._lock, self._engine_threads():
+            self._wake_weights()
+            fps = self.llm.collective_rpc("rlhforge_receive_weights", args=(fingerprint,))
+            self.reset_prefix_cache()
+        return fps[0]
+
+    def load_ipc(self, layout: list, handles: list, fingerprint: bool = False) -> str | None:
+        """Reload from CUDA IPC handles of the sender's buckets (GPU, an engine sharing the sender's GPU)."""
+        with self._lock, self._engine_threads():
+            self._wake_weights()
+            fps = self.llm.collective_rpc("rlhforge_load_ipc", args=(layout, handles, fingerprint))
+            self.reset_prefix_cache()
+        return fps[0]
+
+    def fingerprint(self) -> str | None:
+        """Fingerprint of the weights the last sync loaded (None: never synced, or synced without one)."""
+        with self._lock, self._engine_threads():
+            return self.llm.collective_rpc("rlhforge_fingerprint")[0]
+
+    def _wake_weights(self) -> None:
+        if self._asleep and not self._weights_awake:  # GPU sleep mode: bring the weights back first
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
 
     @contextlib.contextmanager
     def _engine_threads(self):

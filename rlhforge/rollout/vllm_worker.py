@@ -33,16 +33,21 @@ class WeightSyncExtension:
     """Methods on vLLM's worker (``self`` is the worker; ``self.model_runner`` exists)."""
 
     # -- in-process path: tensors are passed as they are ------------------------------------------
-    def rlhforge_load_tensors(self, named: Iterable) -> int:
+    def rlhforge_load_tensors(self, named: Iterable, fingerprint: bool = False) -> int:
         """Reload from (name, tensor) pairs (in-process engines: no copy, no serialisation)."""
-        count = [0]
+        from rlhforge.backend.collective import Fingerprint
+
+        count, fp = [0], Fingerprint() if fingerprint else None
 
         def it() -> Iterator:
             for name, tensor in named:
                 count[0] += 1
+                if fp is not None:
+                    fp.add(name, tensor)
                 yield name, tensor
 
         self.model_runner.reload_weights(weights_iterator=it())
+        self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
         return count[0]
 
     # -- RPC path: buckets of safetensors bytes, then one reload ----------------------------------
@@ -74,6 +79,63 @@ class WeightSyncExtension:
 
     def rlhforge_clear_staged(self) -> None:
         self._rlhforge_staged = []
+
+    # -- collective path: a sync group with the actor's rank 0 (rlhforge.backend.collective) ------
+    def rlhforge_join_sync_group(self, host: str, port: int, rank_base: int, world_size: int, backend: str,
+                                 timeout_s: float) -> int:
+        """Join the weight-sync group as member ``rank_base + this worker's rank in the engine``."""
+        from rlhforge.backend.collective import SyncGroup
+
+        rank = rank_base + int(getattr(self, "rank", 0) or 0)
+        device = "cpu" if backend == "gloo" else str(getattr(self, "device", "cuda"))
+        self._rlhforge_group = None  # the previous group, if any, goes first
+        self._rlhforge_group = SyncGroup(host, port, rank, world_size, backend, device, timeout_s)
+        return rank
+
+    def rlhforge_receive_weights(self, fingerprint: bool = False) -> str | None:
+        """Receive one broadcast from rank 0 bucket by bucket and reload from it in one pass; with
+        ``fingerprint``, returns the fingerprint of what arrived (rlhforge.backend.collective.Fingerprint:
+        a sha256 over every byte, so only on request)."""
+        from rlhforge.backend.collective import Fingerprint
+
+        fp = Fingerprint() if fingerprint else None
+
+        def it() -> Iterator:
+            for name, tensor in self._rlhforge_group.receive():
+                if fp is not None:
+                    fp.add(name, tensor)
+                yield name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=it())
+        self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
+        return self._rlhforge_fingerprint
+
+    def rlhforge_load_ipc(self, layout: list, handles: list, fingerprint: bool = False) -> str | None:
+        """CUDA IPC (an engine sharing the sender's GPU): rebuild each bucket from its handle (no copy
+        through host memory), reload, return the fingerprint. GPU only."""
+        from rlhforge.backend.collective import Fingerprint, unpack_bucket
+
+        fp = Fingerprint() if fingerprint else None
+
+        def it() -> Iterator:
+            for entries, (rebuild, args) in zip(layout, handles):
+                import torch
+
+                args = list(args)
+                args[6] = torch.cuda.current_device()  # storage_device: this worker's index of the shared GPU
+                buf = rebuild(*args)
+                for name, tensor in unpack_bucket(buf, entries):
+                    if fp is not None:
+                        fp.add(name, tensor)
+                    yield name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=it())
+        self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
+        return self._rlhforge_fingerprint
+
+    def rlhforge_fingerprint(self) -> str | None:
+        """Fingerprint of the weights last loaded through a sync (None: still the folder's)."""
+        return getattr(self, "_rlhforge_fingerprint", None)
 
     # -- checks -----------------------------------------------------------------------------------
     def rlhforge_param_checksum(self) -> float:

@@ -307,6 +307,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         # the key counting as 0 (OpenRLHF's average over the whole batch)
         for key in sorted({k for t in all_trajs for k in t.extra}):
             metrics[f"rollout/{key}"] = _mean(float(t.extra.get(key, 0.0)) for t in all_trajs)
+        metrics.update(getattr(self.engine, "step_metrics", dict)())  # engine actors: restarts, requests each
         return trajs, metrics, self.stream.position
 
     # ------------------------------------------------------------------------------------ experience
@@ -413,9 +414,13 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
     def sync_weights(self) -> None:
         """Gather the actor's full weights (all ranks take part; rank 0 returns them) and load them into
         the engines; then tell the rollout source which weights version the engines hold."""
-        state = self.actor.gather_weights()
+        sync_from = getattr(self.engine, "sync_from", None)  # engine actors: straight from actor rank 0
+        state = None if sync_from else self.actor.gather_weights()
         with self._engine_guard():
-            self.engine.update_weights(state)
+            if sync_from:
+                sync_from(self.actor)
+            else:
+                self.engine.update_weights(state)
         rollouts = getattr(self, "rollouts", None)
         if rollouts is not None:
             rollouts.synced(self.state.global_step)

@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from rlhforge.distributed.weight_sync import WeightReceiver, WeightSender, pack_bucket, plan_buckets, unpack_bucket
+from rlhforge.backend.collective import SyncGroup, free_port, pack_bucket, plan_buckets, state_fingerprint, unpack_bucket
 
 
 def test_buckets_by_hand():
@@ -21,23 +21,39 @@ def test_buckets_by_hand():
     assert all(torch.equal(t, b) and t.dtype == b.dtype for t, (_, b) in zip(tensors, back))
 
 
-def test_channel_round_trip_in_few_collectives():
+def test_group_broadcast_to_two_receivers_in_few_collectives():
+    """Rank 0 (the actor's) sends once; both receivers (two engines) get every tensor bit-exact."""
     g = torch.Generator().manual_seed(0)
     state = {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(6)}
     state["norm.weight"] = torch.randn(64, generator=g).to(torch.bfloat16)  # odd-sized, other dtype
     state["embed"] = torch.randn(1000, 64, generator=g)  # larger than a bucket
-    receiver = WeightReceiver()
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("s", WeightSender(*receiver.address, bucket_bytes=64 * 64 * 4 * 3)))
-    t.start()
-    receiver.connect()
-    t.join()
-    sender = box["s"]
-    out = {}
-    t = threading.Thread(target=lambda: out.update(receiver.receive()))
-    t.start()
-    buckets = sender.send(state)
-    t.join()
+    port = free_port()
+    groups: dict = {}
+    joins = [threading.Thread(target=lambda r=r: groups.setdefault(r, SyncGroup("127.0.0.1", port, r, 3)))
+             for r in range(3)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(timeout=60)
+    assert sorted(groups) == [0, 1, 2]
+    out: dict = {1: {}, 2: {}}
+    recv = [threading.Thread(target=lambda r=r: out[r].update(groups[r].receive())) for r in (1, 2)]
+    for t in recv:
+        t.start()
+    buckets = groups[0].send(state, bucket_bytes=64 * 64 * 4 * 3)
+    for t in recv:
+        t.join(timeout=60)
     assert buckets == 4  # 6 x 16 KiB weights three to a 48 KiB bucket, the norm in a third, the embedding alone
-    assert out.keys() == state.keys()
-    assert all(torch.equal(out[k], state[k]) and out[k].dtype == state[k].dtype for k in state)
+    for r in (1, 2):
+        assert list(out[r]) == list(state)
+        assert all(torch.equal(out[r][k], state[k]) and out[r][k].dtype == state[k].dtype for k in state)
+    assert state_fingerprint(out[1]) == state_fingerprint(state)
+
+
+def test_fingerprint_sees_every_byte_and_ignores_order():
+    a = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}
+    assert state_fingerprint(a) == state_fingerprint(list(reversed(list(a.items()))))
+    b = dict(a, w=a["w"].clone())
+    b["w"][1, 2] = torch.nextafter(b["w"][1, 2], torch.tensor(100.0))  # one ulp
+    assert state_fingerprint(b) != state_fingerprint(a)
+    assert state_fingerprint({"w": a["w"].reshape(3, 2), "b": a["b"]}) != state_fingerprint(a)  # shape counts

@@ -1,0 +1,161 @@
+"""Standalone collective groups for weight sync, and the bucketed broadcast of a state dict over them.
+
+A weight-sync group is not the training group: it has its own ``TCPStore`` (hosted by rank 0, the
+sender) and its own members (actor rank 0 plus every engine worker, or plus the driver), so it is
+built with the process-group classes directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), never
+with ``init_process_group`` (a process has one default group, and the trainer's is already taken).
+
+Per sync, rank 0 broadcasts first the layout (names, dtypes, shapes and bucket boundaries, pickled
+into a byte tensor), then each bucket as one flat byte buffer: one collective per bucket, not per
+tensor. On NCCL the buffers live on the member's CUDA device; on gloo in host memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import pickle
+import socket
+from typing import Iterator
+
+import torch
+
+__all__ = ["open_group", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
+           "receive_state", "state_fingerprint", "Fingerprint", "SyncGroup"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def open_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+               timeout_s: float = 1800.0):
+    """Join (rank 0: host) a ``world_size``-member group. Blocks until every member has joined."""
+    from torch.distributed import TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, world_size, opts)
+    if backend != "gloo":
+        raise ValueError(f"weight-sync backend {backend!r}: expected 'gloo' or 'nccl'")
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def plan_buckets(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``layout`` grouped into buckets of at most ``bucket_bytes`` (a larger tensor is alone)."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i, (_, dtype, shape) in enumerate(layout):
+        n = _nbytes(dtype, shape)
+        if buckets and buckets[-1] and size + n <= bucket_bytes:
+            buckets[-1].append(i)
+            size += n
+        else:
+            buckets.append([i])
+            size = n
+    return buckets
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def pack_bucket(tensors: list[torch.Tensor], device: str | torch.device = "cpu") -> torch.Tensor:
+    """Tensors -> one flat uint8 buffer on ``device``."""
+    parts = [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def unpack_bucket(buffer: torch.Tensor, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]
+                  ) -> list[tuple[str, torch.Tensor]]:
+    out, offset = [], 0
+    for name, dtype, shape in entries:
+        n = _nbytes(dtype, shape)
+        out.append((name, buffer[offset : offset + n].clone().view(dtype).reshape(shape)))  # clone: aligned
+        offset += n
+    if offset != buffer.numel():
+        raise RuntimeError(f"weight sync: bucket of {buffer.numel()} bytes, layout says {offset}")
+    return out
+
+
+def broadcast_state(pg, state: dict[str, torch.Tensor], bucket_bytes: int, device: str = "cpu") -> int:
+    """Rank 0's side: send ``state`` to every member; returns the number of buckets."""
+    names = list(state)
+    layout = [(n, state[n].dtype, tuple(state[n].shape)) for n in names]
+    buckets = plan_buckets(layout, bucket_bytes)
+    blob = torch.frombuffer(bytearray(pickle.dumps((layout, buckets))), dtype=torch.uint8).to(device)
+    pg.broadcast(torch.tensor([blob.numel()], dtype=torch.int64, device=device), 0).wait()
+    pg.broadcast(blob, 0).wait()
+    for idx in buckets:
+        pg.broadcast(pack_bucket([state[names[i]] for i in idx], device), 0).wait()
+    return len(buckets)
+
+
+def receive_state(pg, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every other member's side: (name, tensor) pairs in the sender's order, one bucket at a time
+    (consume the iterator to the end: each bucket is a collective every member takes part in)."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    pg.broadcast(size, 0).wait()
+    blob = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    pg.broadcast(blob, 0).wait()
+    layout, buckets = pickle.loads(blob.cpu().numpy().tobytes())
+    for idx in buckets:
+        entries = [layout[i] for i in idx]
+        buf = torch.empty(sum(_nbytes(d, s) for _, d, s in entries), dtype=torch.uint8, device=device)
+        pg.broadcast(buf, 0).wait()
+        yield from unpack_bucket(buf, entries)
+
+
+class Fingerprint:
+    """Order-free sha256 of named tensors: a digest per tensor (name, dtype, shape, bytes), then one over
+    the sorted digests. Tensors can be added as they stream in (nothing is kept but the digests)."""
+
+    def __init__(self):
+        self.parts: dict[str, str] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to("cpu").contiguous()
+        h = hashlib.sha256(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.parts[name] = h.hexdigest()
+        return t
+
+    def hexdigest(self) -> str:
+        return hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(self.parts.items())).encode()).hexdigest()
+
+
+def state_fingerprint(named) -> str:
+    """:class:`Fingerprint` of a state dict (or of (name, tensor) pairs): equal weights, equal print."""
+    fp = Fingerprint()
+    for name, t in (named.items() if isinstance(named, dict) else named):
+        fp.add(name, t)
+    return fp.hexdigest()
+
+
+class SyncGroup:
+    """One member's handle: ``open_group`` + the side it plays."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                 device: str = "cpu", timeout_s: float = 1800.0):
+        self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
+        self.pg = open_group(host, port, rank, world_size, backend, timeout_s)
+
+    def send(self, state: dict[str, torch.Tensor], bucket_bytes: int) -> int:
+        assert self.rank == 0, "only rank 0 sends"
+        return broadcast_state(self.pg, state, bucket_bytes, self.device)
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        assert self.rank != 0, "rank 0 sends"
+        return receive_state(self.pg, self.device)

@@ -1,0 +1,343 @@
+"""vLLM engines as Ray actors (``--vllm.num_engines N`` with Ray workers; docs/distributed.md).
+
+Each engine is one Ray actor (:class:`EngineHost`) that owns one vLLM engine on its own bundles
+(``--vllm.tensor_parallel_size`` of them; or a share of the actor's bundles with
+``--train.colocate_all``, OpenRLHF's hybrid engine). The driver sees them through one
+``GenerationEngine`` (:class:`EngineActors`):
+
+- **generate**: requests are split by prompt group over the live engines (least outstanding work
+  first, as :class:`~rlhforge.rollout.vllm_engine.EngineRouter`) and run on all of them at once;
+  each actor runs its own engine loop.
+- **weight sync** (:meth:`EngineActors.sync_from`): actor rank 0 broadcasts the weights to every
+  engine worker over a dedicated group (:mod:`rlhforge.backend.collective`; gloo on CPU engines,
+  ``--vllm.sync_backend`` on GPU engines), or, with ``--vllm.sync_with_ray``, rank 0's state dict
+  goes through Ray's object store straight into the engines' calls. Nothing passes through the
+  driver's memory either way.
+- **faults**: an engine whose actor died, or whose call did not answer within
+  ``--vllm.request_timeout_s``, is killed and restarted on the same bundles (at most
+  ``--vllm.max_restarts`` times per engine), loaded with the current weights, and its requests are
+  sent again; until it is back, the other engines serve. Restarts count in
+  ``rollout/engine_restarts``. With no engine left the run stops (WorkerError, exit 4) naming each
+  engine and its cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from rlhforge.distributed.groups import WorkerError
+from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.vllm_engine import EngineRouter
+
+__all__ = ["EngineHost", "EngineActors", "build_engine_actors"]
+
+
+class EngineHost:
+    """The Ray actor around one :class:`~rlhforge.rollout.vllm_engine.VLLMEngine` (in this process)."""
+
+    def __init__(self, env: dict[str, str], model_path: str, kwargs: dict):
+        os.environ.update(env)
+        from rlhforge.rollout.vllm_engine import VLLMEngine
+
+        self.engine = VLLMEngine(model_path, **kwargs)
+        self.served = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def generate(self, prompts: list, params: list) -> list[GenerationOutput]:
+        out = self.engine.generate_sync(prompts, params)
+        self.served += len(prompts)
+        return out
+
+    def join_sync_group(self, host: str, port: int, rank_base: int, world_size: int, backend: str,
+                        timeout_s: float) -> list[int]:
+        return self.engine.join_sync_group(host, port, rank_base, world_size, backend, timeout_s)
+
+    def receive_weights(self, fingerprint: bool = False) -> str | None:
+        return self.engine.receive_weights(fingerprint)
+
+    def load_state(self, state: dict, fingerprint: bool = False) -> str | None:
+        """``--vllm.sync_with_ray`` (and restarts): ``state`` arrives through the object store."""
+        self.engine.update_weights(state, fingerprint=fingerprint)
+        return self.engine.fingerprint()
+
+    def fingerprint(self) -> str | None:
+        return self.engine.fingerprint()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _Engine:
+    """The driver's record of one engine actor."""
+
+    def __init__(self, index: int, handle, tp: int):
+        self.index, self.handle, self.tp = index, handle, tp
+        self.load = 0.0  # outstanding work (prompt + max new tokens) for the router
+        self.alive = True
+        self.restarts = 0
+        self.requests = 0
+        self.failure = ""
+
+
+class EngineActors:
+    """A ``GenerationEngine`` over N engine actors; ``spawn(i)`` creates (or re-creates) engine i's actor."""
+
+    def __init__(self, spawn: Callable[[int], Any], num_engines: int, *, tp: int = 1, backend: str = "gloo",
+                 bucket_bytes: int = 128 << 20, sync_with_ray: bool = False, max_restarts: int = 1,
+                 timeout_s: float = 600.0, sync_timeout_s: float = 1800.0):
+        self.spawn, self.tp, self.backend, self.bucket_bytes = spawn, tp, backend, bucket_bytes
+        self.sync_with_ray, self.max_restarts, self.timeout_s = sync_with_ray, max_restarts, timeout_s
+        self.sync_timeout_s = sync_timeout_s
+        self.engines = [_Engine(i, spawn(i), tp) for i in range(num_engines)]
+        self._group_members: tuple | None = None  # (handles...) of the current sync group
+        self._source = None  # the actor group of the last sync (restarts reload from it)
+        self.synced_versions = 0
+        self.fingerprint_syncs = False  # tests: every sync also returns the engines' fingerprints
+        self.last_fingerprints: list[str | None] = []
+        self.restarts_total = 0
+        self.ready()
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def ready(self) -> "EngineActors":
+        import ray
+
+        for e in self.engines:
+            try:
+                ray.get(e.handle.pid.remote(), timeout=self.sync_timeout_s)
+            except Exception as err:  # noqa: BLE001
+                raise WorkerError(f"vLLM engine {e.index} failed to start: {_cause(err)}") from None
+        return self
+
+    # -- GenerationEngine ---------------------------------------------------------------------------
+    async def generate(self, prompts: Sequence[Sequence[int]], params) -> list[GenerationOutput]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        out: list[GenerationOutput | None] = [None] * len(prompts)
+        pending = list(range(len(prompts)))
+        while pending:
+            live = [e for e in self.engines if e.alive]
+            if not live:
+                causes = "; ".join(f"engine {e.index}: {e.failure}" for e in self.engines)
+                raise WorkerError(f"no vLLM engine is left ({causes}); --vllm.max_restarts {self.max_restarts} "
+                                  "restart(s) per engine were used; checkpoints already written are intact")
+            where = EngineRouter(live).assign([prompts[i] for i in pending], [params[i] for i in pending])
+            jobs = []
+            for j, e in enumerate(live):
+                idx = [pending[k] for k, w in enumerate(where) if w == j]
+                if idx:
+                    jobs.append((e, idx, self._call(e, [list(prompts[i]) for i in idx], [params[i] for i in idx])))
+            results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
+            pending = []
+            for (e, idx, _), res in zip(jobs, results):
+                if isinstance(res, BaseException):
+                    if not _engine_fault(res):
+                        raise res
+                    await asyncio.to_thread(self._fail, e, _cause(res))
+                    pending.extend(idx)
+                    continue
+                e.requests += len(idx)
+                for i, o in zip(idx, res):
+                    out[i] = o
+            pending.sort()
+        return out  # type: ignore[return-value]
+
+    async def _call(self, e: _Engine, prompts: list, params: list):
+        work = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
+        e.load += work
+        try:
+            ref = e.handle.generate.remote(prompts, params)
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no answer within --vllm.request_timeout_s {self.timeout_s:g} s") from None
+        finally:
+            e.load -= work
+
+    def update_weights(self, named_tensors) -> None:
+        """Tensors in the driver (an in-process caller): through the object store to every engine."""
+        import ray
+
+        ref = ray.put(dict(named_tensors))
+        self._wait([(e, e.handle.load_state.remote(ref)) for e in self.engines if e.alive], "update_weights")
+
+    def sleep(self) -> None:
+        self._broadcast("sleep")
+
+    def wake_up(self) -> None:
+        self._broadcast("wake_up")
+
+    def close(self) -> None:
+        import ray
+
+        for e in self.engines:
+            try:
+                ray.get(e.handle.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            try:
+                ray.kill(e.handle)
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- weight sync ---------------------------------------------------------------------------------
+    def sync_from(self, actor) -> None:
+        """Load actor rank 0's current weights into every live engine (``actor``: a RayWorkerGroup)."""
+        self._source = actor
+        fp = self.fingerprint_syncs
+        live = [e for e in self.engines if e.alive]
+        if self.sync_with_ray:
+            refs = actor.submit("engine_state_dict")  # every rank gathers; rank 0's result is the state
+            pairs = [(e, e.handle.load_state.remote(refs[0], fp)) for e in live]
+            actor.wait(refs, "engine_state_dict")
+        else:
+            if self._group_members != tuple(e.handle for e in live):
+                self._open_group(actor, live)
+            sends = actor.submit("send_weights")
+            pairs = [(e, e.handle.receive_weights.remote(fp)) for e in live]
+            self._wait(pairs, "receive_weights", actor=(actor, sends))
+        self.last_fingerprints = self._wait(pairs, "weight sync")
+        self.synced_versions += 1
+
+    def _open_group(self, actor, live: list[_Engine]) -> None:
+        host, port = actor.rank0_address()
+        world = 1 + sum(e.tp for e in live)
+        send = actor.hosts[0].run.remote("open_weight_channel",
+                                         (host, port, world, self.bucket_bytes, self.backend, self.sync_timeout_s), {})
+        joins, base = [], 1
+        for e in live:
+            joins.append((e, e.handle.join_sync_group.remote(host, port, base, world, self.backend, self.sync_timeout_s)))
+            base += e.tp
+        self._wait(joins, "joining the weight-sync group", actor=(actor, [send]))
+        self._group_members = tuple(e.handle for e in live)
+
+    # -- faults ----------------------------------------------------------------------------------------
+    def _fail(self, e: _Engine, cause: str) -> None:
+        """Engine ``e`` died or hung: restart it (within the limit) with the current weights, or drop it."""
+        import ray
+
+        print(f"[rlhforge] vLLM engine {e.index} failed: {cause}", flush=True)
+        try:
+            ray.kill(e.handle)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self._group_members = None  # the sync group had it as a member: rebuilt at the next sync
+        e.failure = cause
+        if e.restarts >= self.max_restarts:
+            e.alive = False
+            print(f"[rlhforge] vLLM engine {e.index}: no restart left (--vllm.max_restarts {self.max_restarts}); "
+                  "the other engines serve its requests", flush=True)
+            return
+        e.restarts += 1
+        self.restarts_total += 1
+        t0 = time.perf_counter()
+        try:
+            e.handle = self.spawn(e.index)
+            ray.get(e.handle.pid.remote(), timeout=self.sync_timeout_s)
+            if self._source is not None and self.synced_versions:  # else it loaded the initial weights itself
+                refs = self._source.submit("engine_state_dict")
+                ray.get(e.handle.load_state.remote(refs[0], self.fingerprint_syncs), timeout=self.sync_timeout_s)
+                self._source.wait(refs, "engine_state_dict")
+        except Exception as err:  # noqa: BLE001
+            e.alive, e.failure = False, f"{cause}; its restart failed too: {_cause(err)}"
+            print(f"[rlhforge] vLLM engine {e.index}: restart failed: {_cause(err)}", flush=True)
+            return
+        print(f"[rlhforge] vLLM engine {e.index} restarted ({e.restarts}/{self.max_restarts}) in "
+              f"{time.perf_counter() - t0:.1f} s with the current weights", flush=True)
+
+    def step_metrics(self) -> dict[str, float]:
+        """``rollout/engine_restarts`` (so far) and the requests each engine served since the last call."""
+        out = {"rollout/engine_restarts": float(self.restarts_total),
+               "rollout/engines_alive": float(sum(e.alive for e in self.engines))}
+        for e in self.engines:
+            out[f"rollout/engine{e.index}_requests"] = float(e.requests)
+            e.requests = 0
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _broadcast(self, method: str) -> None:
+        self._wait([(e, getattr(e.handle, method).remote()) for e in self.engines if e.alive], method)
+
+    def _wait(self, pairs: list, what: str, actor=None) -> list:
+        """Results of engine calls (and, with ``actor=(group, refs)``, of the actor ranks' side of the same
+        collective); the first failure is raised naming its side, never a wait on a peer that is gone."""
+        import ray
+
+        refs = [r for _, r in pairs] + (list(actor[1]) if actor else [])
+        deadline = time.monotonic() + self.sync_timeout_s
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as err:  # noqa: BLE001
+                    owner = next((f"vLLM engine {e.index}" for e, r in pairs if r == ref), "actor rank 0")
+                    if actor and owner == "actor rank 0":
+                        actor[0].wait(actor[1], what)  # names the rank
+                    raise WorkerError(f"{owner} failed in {what}: {_cause(err)}") from None
+            if pending and time.monotonic() > deadline:
+                raise WorkerError(f"{what}: no answer within {self.sync_timeout_s:g} s")
+        return [ray.get(r) for _, r in pairs]
+
+
+def _engine_fault(err: BaseException) -> bool:
+    import ray
+
+    return isinstance(err, (ray.exceptions.RayActorError, TimeoutError, ray.exceptions.GetTimeoutError))
+
+
+def _cause(err: BaseException) -> str:
+    cause = getattr(err, "cause", None) or err
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+
+
+def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict) -> EngineActors:
+    """The engine actors of ``--vllm.*`` on the bundles ``placement.engines`` assigns (pgs: key -> group)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    v = cfg.vllm
+    cpu = placement.device != "cuda"
+    dtype = "float32" if cpu else {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(cfg.ds.param_dtype,
+                                                                                                "auto")
+    env = {"RLHFORGE_RAY_WORKER": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    remote = ray.remote(EngineHost)
+    backend = "gloo" if cpu else v.sync_backend
+
+    def spawn(i: int):
+        ep = placement.engines[i]
+        kwargs = dict(eos_token_id=tokenizer.eos_token_id, dtype=dtype, max_model_len=max_model_len,
+                      seed=cfg.train.seed + i, tensor_parallel_size=v.tensor_parallel_size,
+                      gpu_memory_utilization=v.gpu_memory_utilization, enable_prefix_caching=v.enable_prefix_caching,
+                      enforce_eager=v.enforce_eager, enable_sleep=v.enable_sleep, bucket_mb=v.sync_bucket_mb,
+                      in_process=cpu or v.tensor_parallel_size == 1)
+        engine_env = dict(env)
+        one_device = v.tensor_parallel_size == 1
+        if not one_device:  # vLLM's Ray executor places its TP workers on the bundles named here
+            kwargs["distributed_executor_backend"] = "ray"
+            engine_env["VLLM_RAY_PER_WORKER_GPUS"] = str(ep.share)
+            engine_env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in ep.bundle_indices)
+        strategy = PlacementGroupSchedulingStrategy(pgs[ep.pg], placement_group_bundle_index=ep.bundle_indices[0],
+                                                    placement_group_capture_child_tasks=True)
+        opts = {"num_cpus": ep.share if cpu else 0, "num_gpus": ep.share if (not cpu and one_device) else 0,
+                "scheduling_strategy": strategy, "max_restarts": 0, "max_concurrency": 4}
+        return remote.options(**opts).remote(engine_env, cfg.actor.model_name_or_path, kwargs)
+
+    return EngineActors(spawn, v.num_engines, tp=v.tensor_parallel_size, backend=backend,
+                        bucket_bytes=v.sync_bucket_mb << 20, sync_with_ray=v.sync_with_ray,
+                        max_restarts=v.max_restarts, timeout_s=v.request_timeout_s)
