@@ -266,7 +266,14 @@ class ActorWorker(_TrainableWorker):
         state = self.engine_state_dict()
         if state is None:
             return 0
-        return self._sender.send(state)
+        return self._sender.send(state, self._bucket_bytes)
+
+    def weights_fingerprint(self) -> str | None:
+        """sha256 of the weights the engines load (all ranks take part; rank 0 returns it)."""
+        from rlhforge.backend.collective import state_fingerprint
+
+        state = self.engine_state_dict()
+        return None if state is None else state_fingerprint(state)
 
 
 class RefWorker:
