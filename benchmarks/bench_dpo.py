@@ -18,10 +18,9 @@ the whole run and peak RSS (CPU) / peak allocated memory (GPU). The modes run in
 ``--repeats`` rounds and each keeps its best round, since other processes on a shared machine
 disturb single runs.
 
-On CPU a packed row is attended with a block-diagonal mask over the whole row (there is no
-variable-length attention kernel), so its attention cost grows with the square of the row length:
-keep packed micro-batches small there (``--micro``), or use ``--train.max_tokens_per_device``.
-With flash-attention on GPU the packed row costs only its real tokens.
+On sdpa/eager (CPU) a packed micro-batch is computed in rows of at most its longest sequence
+(:func:`rlhforge.models.forward.packed_rows`), so it never costs more than the padded one; with
+flash-attention on GPU the single packed row is attended per sequence by the varlen kernel.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """RL step benchmark: rlhforge GRPO on a tiny model (and TRL's GRPOTrainer side by side when installed).
 
-    python benchmarks/bench_rl.py [--steps 6] [--threads 1] [--no-trl]
+    python benchmarks/bench_rl.py [--steps 6] [--threads 1] [--no-trl] [--quick]
 
 Writes ``benchmarks/results/rl.json``: per framework, seconds per RL step (one generation of
 ``prompts x group`` completions + the optimizer steps on them), samples/s, tokens/s, the share of
 time in generation vs training (rlhforge), peak resident memory, and the TRL/rlhforge time ratio.
 Both frameworks get the same tiny model, prompts, group size, lengths, batch sizes and lr, on CPU
-with the HF generation path (no vLLM). The first step is a warm-up and is not timed.
+with the HF generation path (no vLLM). The first step is a warm-up and is not timed. Each
+framework runs in its own process (``--side``), so its peak RSS is its own (``os.wait4``), not the
+maximum of a process that already ran the other one. ``bench_vs_trl.py`` is the fuller comparison.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -99,34 +102,60 @@ def bench_trl(model_dir: Path, out_dir: Path, steps: int) -> dict:
             "mean_response_length": sum(lengths[2:]) / max(len(lengths[2:]), 1), "peak_rss_gb": _peak_rss_gb()}
 
 
+def run_side(side: str, model_dir: Path, out_dir: Path, steps: int, threads: int) -> dict:
+    """One framework in a fresh process; its peak RSS from ``os.wait4`` (that process only)."""
+    result = out_dir / f"{side}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--side", side, "--model", str(model_dir),
+                             "--steps", str(steps), "--threads", str(threads), "--out", str(result)], env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {side} run failed (exit {proc.returncode})")
+    out = json.loads(result.read_text())
+    out["peak_rss_gb"] = usage.ru_maxrss / 2**20
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="timed RL steps (after one warm-up step)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL side-by-side run")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "rl.json"))
+    parser.add_argument("--quick", action="store_true", help="one timed step (a smoke run; numbers not meaningful)")
+    parser.add_argument("--side", choices=("rlhforge", "trl"), help=argparse.SUPPRESS)  # child process
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps = 1
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.side:
+        with tempfile.TemporaryDirectory() as tmp:
+            fn = bench_rlhforge if args.side == "rlhforge" else bench_trl
+            Path(args.out).write_text(json.dumps(fn(Path(args.model), Path(tmp) / args.side, args.steps)))
+        return 0
     from rlhforge.models.tiny import build_tiny_model
 
     result = {"setup": {"model": "rlhforge tiny Llama (TinyModelSpec defaults)", "prompts_per_step": PROMPTS,
                         "group_size": GROUP, "max_new_tokens": MAX_NEW, "optimizer_steps_per_rl_step": 2,
-                        "torch_threads": args.threads, "device": "cpu", "steps_timed": args.steps}}
+                        "torch_threads": args.threads, "device": "cpu", "steps_timed": args.steps,
+                        "memory": "peak RSS of each framework's own process"}}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = build_tiny_model(tmp / "model", seed=0)
-        result["rlhforge"] = bench_rlhforge(model_dir, tmp / "rlhforge", args.steps)
+        result["rlhforge"] = run_side("rlhforge", model_dir, tmp, args.steps, args.threads)
         print("rlhforge:", json.dumps(result["rlhforge"], indent=1))
         if not args.no_trl:
             try:
                 import trl  # noqa: F401
             except ImportError:
-                result["trl"] = {"skipped": "trl is not installed (pip install trl)"}
+                result["trl"] = {"skipped": "trl is not installed (pip install -e '.[bench]')"}
             else:
-                result["trl"] = bench_trl(model_dir, tmp / "trl", args.steps)
+                result["trl"] = run_side("trl", model_dir, tmp, args.steps, args.threads)
                 result["trl_over_rlhforge_seconds_per_step"] = (
                     result["trl"]["seconds_per_step"] / result["rlhforge"]["seconds_per_step"])
                 print("trl:", json.dumps(result["trl"], indent=1))
