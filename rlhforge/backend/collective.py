@@ -5,9 +5,10 @@ sender) and its own members (actor rank 0 plus every engine worker, or plus the 
 built with the process-group classes directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), never
 with ``init_process_group`` (a process has one default group, and the trainer's is already taken).
 
-Per sync, rank 0 broadcasts first the layout (names, dtypes, shapes and bucket boundaries, pickled
-into a byte tensor), then each bucket as one flat byte buffer: one collective per bucket, not per
-tensor. On NCCL the buffers live on the member's CUDA device; on gloo in host memory.
+Per sync, rank 0 streams the weights in buckets: for each, a small header (names, dtypes, shapes,
+pickled into a byte tensor), then the bucket as one flat byte buffer, so the sender never holds more
+than one bucket beyond the model (ZeRO-3 parameters are gathered one at a time as they are sent).
+On NCCL the buffers live on the member's CUDA device; on gloo in host memory.
 """
 
 from __future__ import annotations
@@ -90,32 +91,51 @@ def unpack_bucket(buffer: torch.Tensor, entries: list[tuple[str, torch.dtype, tu
     return out
 
 
-def broadcast_state(pg, state: dict[str, torch.Tensor], bucket_bytes: int, device: str = "cpu") -> int:
-    """Rank 0's side: send ``state`` to every member; returns the number of buckets."""
-    names = list(state)
-    layout = [(n, state[n].dtype, tuple(state[n].shape)) for n in names]
-    buckets = plan_buckets(layout, bucket_bytes)
-    blob = torch.frombuffer(bytearray(pickle.dumps((layout, buckets))), dtype=torch.uint8).to(device)
-    pg.broadcast(torch.tensor([blob.numel()], dtype=torch.int64, device=device), 0).wait()
-    pg.broadcast(blob, 0).wait()
-    for idx in buckets:
-        pg.broadcast(pack_bucket([state[names[i]] for i in idx], device), 0).wait()
-    return len(buckets)
+def broadcast_state(pg, named, bucket_bytes: int, device: str = "cpu") -> int:
+    """Rank 0's side: stream ``named`` ((name, tensor) pairs or a dict; each tensor may be freed once
+    the next is asked for, e.g. a ZeRO-3 parameter gathered for the moment) to every member in buckets
+    of at most ``bucket_bytes`` (a larger tensor goes alone). Per bucket: its header (names, dtypes,
+    shapes, last-or-not), then its bytes. Peak memory: one bucket. Returns the number of buckets."""
+    items = named.items() if isinstance(named, dict) else named
+    entries: list = []
+    parts: list[torch.Tensor] = []
+    size = sent = 0
+
+    def flush(last: bool) -> None:
+        header = torch.frombuffer(bytearray(pickle.dumps((entries, last))), dtype=torch.uint8).to(device)
+        pg.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=device), 0).wait()
+        pg.broadcast(header, 0).wait()
+        if entries:
+            pg.broadcast(torch.cat(parts), 0).wait()
+
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        if entries and size + n > bucket_bytes:
+            flush(False)
+            sent += 1
+            entries, parts, size = [], [], 0
+        entries.append((name, t.dtype, tuple(t.shape)))
+        parts.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8).clone())
+        size += n
+    flush(True)
+    return sent + (1 if entries else 0)
 
 
 def receive_state(pg, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Every other member's side: (name, tensor) pairs in the sender's order, one bucket at a time
     (consume the iterator to the end: each bucket is a collective every member takes part in)."""
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    pg.broadcast(size, 0).wait()
-    blob = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    pg.broadcast(blob, 0).wait()
-    layout, buckets = pickle.loads(blob.cpu().numpy().tobytes())
-    for idx in buckets:
-        entries = [layout[i] for i in idx]
-        buf = torch.empty(sum(_nbytes(d, s) for _, d, s in entries), dtype=torch.uint8, device=device)
-        pg.broadcast(buf, 0).wait()
-        yield from unpack_bucket(buf, entries)
+    while True:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        pg.broadcast(size, 0).wait()
+        header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        pg.broadcast(header, 0).wait()
+        entries, last = pickle.loads(header.cpu().numpy().tobytes())
+        if entries:
+            buf = torch.empty(sum(_nbytes(d, s) for _, d, s in entries), dtype=torch.uint8, device=device)
+            pg.broadcast(buf, 0).wait()
+            yield from unpack_bucket(buf, entries)
+        if last:
+            return
 
 
 class Fingerprint:
@@ -152,9 +172,10 @@ class SyncGroup:
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
         self.pg = open_group(host, port, rank, world_size, backend, timeout_s)
 
-    def send(self, state: dict[str, torch.Tensor], bucket_bytes: int) -> int:
+    def send(self, named, bucket_bytes: int) -> int:
+        """Broadcast a state dict or a stream of (name, tensor) pairs; returns the number of buckets."""
         assert self.rank == 0, "only rank 0 sends"
-        return broadcast_state(self.pg, state, bucket_bytes, self.device)
+        return broadcast_state(self.pg, named, bucket_bytes, self.device)
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.rank != 0, "rank 0 sends"

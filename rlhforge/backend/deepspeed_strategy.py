@@ -141,6 +141,21 @@ class DeepSpeedStrategy:
             out.update({k: v.detach().to("cpu", torch.float32, copy=True) for k, v in module.state_dict().items()})
         return out
 
+    def iter_full_weights(self):
+        module = self.engine.module
+        if self.ds_cfg.zero_stage != 3:
+            yield from module.state_dict().items()
+            return
+        import deepspeed
+
+        persistent = set(module.state_dict().keys())  # non-persistent buffers (rotary inv_freq) are not sent
+        for name, param in module.named_parameters(remove_duplicate=False):  # tied weights under each name
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                yield name, param.detach()
+        for name, buf in module.named_buffers():
+            if name in persistent:
+                yield name, buf.detach()
+
     def save_state(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag="deepspeed")
 

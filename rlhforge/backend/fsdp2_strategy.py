@@ -112,6 +112,10 @@ class FSDP2Strategy:
             first.setdefault(id(param), name)
         return out
 
+    def iter_full_weights(self):
+        for name, t in self.model.state_dict().items():  # DTensor shards: one all-gather per entry
+            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
     def save_state(self, directory: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 

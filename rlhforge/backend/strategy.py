@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Iterator, Any, Protocol
 
 import torch
 
@@ -46,6 +46,11 @@ class Strategy(Protocol):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full (gathered) CPU state dict of the unwrapped model on rank 0, None elsewhere."""
+
+    def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of every state-dict entry on *every* rank (all ranks iterate to the end:
+        sharded parameters are gathered one at a time), in the training dtype on the training device;
+        each tensor is valid until the next one is asked for (weight sync streams them)."""
 
     def save_state(self, directory: Path) -> None:
         """Write model weights, optimizer and scheduler state (all ranks take part)."""

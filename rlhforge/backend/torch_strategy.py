@@ -77,6 +77,9 @@ class TorchStrategy:
             return None
         return {k: v.detach().to("cpu", copy=True) for k, v in self._module.state_dict().items()}
 
+    def iter_full_weights(self):
+        yield from ((k, v.detach()) for k, v in self._module.state_dict().items())
+
     def save_state(self, directory: Path) -> None:
         if self.is_rank0:
             state = {

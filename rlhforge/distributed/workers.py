@@ -261,19 +261,31 @@ class ActorWorker(_TrainableWorker):
         self._sender = SyncGroup(host, port, 0, world_size, backend, device, timeout_s)
         self._bucket_bytes = int(bucket_bytes)
 
+    def _engine_weights(self):
+        """(name, tensor) pairs the engines load, on every rank (only rank 0's are sent): streamed one
+        gathered parameter at a time, or, with LoRA, the merged full state dict (rank 0; {} elsewhere)."""
+        if self.cfg.ds.lora.rank > 0 and not self.cfg.ds.load_in_4bit:
+            return (self.engine_state_dict() or {}).items()
+        return self.strategy.iter_full_weights()
+
     def send_weights(self) -> int:
-        """All ranks gather; rank 0 broadcasts to the group. Returns the number of buckets (rank 0)."""
-        state = self.engine_state_dict()
-        if state is None:
+        """All ranks gather; rank 0 streams to the group. Returns the number of buckets (rank 0)."""
+        stream = self._engine_weights()
+        sender = getattr(self, "_sender", None)
+        if sender is None or not self.strategy.is_rank0:
+            for _ in stream:  # take part in the gathers
+                pass
             return 0
-        return self._sender.send(state, self._bucket_bytes)
+        return sender.send(stream, self._bucket_bytes)
 
     def weights_fingerprint(self) -> str | None:
-        """sha256 of the weights the engines load (all ranks take part; rank 0 returns it)."""
-        from rlhforge.backend.collective import state_fingerprint
+        """sha256 of the weights the engines load, as sent (all ranks take part; rank 0 returns it)."""
+        from rlhforge.backend.collective import Fingerprint
 
-        state = self.engine_state_dict()
-        return None if state is None else state_fingerprint(state)
+        fp = Fingerprint()
+        for name, t in self._engine_weights():
+            fp.add(name, t)
+        return fp.hexdigest() if self.strategy.is_rank0 else None
 
 
 class RefWorker:
