@@ -8,11 +8,13 @@ Each engine is one Ray actor (:class:`EngineHost`) that owns one vLLM engine on 
 - **generate**: requests are split by prompt group over the live engines (least outstanding work
   first, as :class:`~rlhforge.rollout.vllm_engine.EngineRouter`) and run on all of them at once;
   each actor runs its own engine loop.
-- **weight sync** (:meth:`EngineActors.sync_from`): actor rank 0 broadcasts the weights to every
+- **weight sync** (:meth:`EngineActors.sync_from`): actor rank 0 streams the weights to every
   engine worker over a dedicated group (:mod:`rlhforge.backend.collective`; gloo on CPU engines,
-  ``--vllm.sync_backend`` on GPU engines), or, with ``--vllm.sync_with_ray``, rank 0's state dict
-  goes through Ray's object store straight into the engines' calls. Nothing passes through the
-  driver's memory either way.
+  ``--vllm.sync_backend`` on GPU engines); GPU engines that share the actor's GPUs
+  (``--train.colocate_all``) get CUDA IPC handles from the rank on their GPU instead
+  (:mod:`rlhforge.distributed.ipc_sync`); with ``--vllm.sync_with_ray``, rank 0's state dict goes
+  through Ray's object store straight into the engines' calls. Nothing passes through the driver's
+  memory in any of them.
 - **faults**: an engine whose actor died, or whose call did not answer within
   ``--vllm.request_timeout_s``, is killed and restarted on the same bundles (at most
   ``--vllm.max_restarts`` times per engine), loaded with the current weights, and its requests are
@@ -68,6 +70,9 @@ class EngineHost:
     def fingerprint(self) -> str | None:
         return self.engine.fingerprint()
 
+    def load_ipc(self, entries: list, handles_by_rank: dict, fingerprint: bool = False, last: bool = False) -> int:
+        return self.engine.load_ipc(entries, handles_by_rank, fingerprint, last)
+
     def sleep(self) -> None:
         self.engine.sleep()
 
@@ -95,10 +100,12 @@ class EngineActors:
 
     def __init__(self, spawn: Callable[[int], Any], num_engines: int, *, tp: int = 1, backend: str = "gloo",
                  bucket_bytes: int = 128 << 20, sync_with_ray: bool = False, max_restarts: int = 1,
-                 timeout_s: float = 600.0, sync_timeout_s: float = 1800.0):
+                 timeout_s: float = 600.0, sync_timeout_s: float = 1800.0, ipc_ranks: list[dict] | None = None):
         self.spawn, self.tp, self.backend, self.bucket_bytes = spawn, tp, backend, bucket_bytes
         self.sync_with_ray, self.max_restarts, self.timeout_s = sync_with_ray, max_restarts, timeout_s
         self.sync_timeout_s = sync_timeout_s
+        self.ipc_ranks = ipc_ranks  # GPU engines on the actor's GPUs: per engine {tp_rank: actor rank}; CUDA IPC
+        self._ipc_members: tuple | None = None
         self.engines = [_Engine(i, spawn(i), tp) for i in range(num_engines)]
         self._group_members: tuple | None = None  # (handles...) of the current sync group
         self._source = None  # the actor group of the last sync (restarts reload from it)
@@ -202,6 +209,13 @@ class EngineActors:
             refs = actor.submit("engine_state_dict")  # every rank gathers; rank 0's result is the state
             pairs = [(e, e.handle.load_state.remote(refs[0], fp)) for e in live]
             actor.wait(refs, "engine_state_dict")
+        elif self.ipc_ranks is not None:
+            if self._ipc_members != tuple(e.handle for e in live):
+                targets = [(e.handle, self.ipc_ranks[e.index]) for e in live]
+                actor.wait([actor.hosts[0].run.remote("set_ipc_targets", (targets,), {})], "set_ipc_targets")
+                self._ipc_members = tuple(e.handle for e in live)
+            actor.wait(actor.submit("send_weights_ipc", self.bucket_bytes, fp), "send_weights_ipc")
+            pairs = [(e, e.handle.fingerprint.remote()) for e in live]
         else:
             if self._group_members != tuple(e.handle for e in live):
                 self._open_group(actor, live)
@@ -338,6 +352,9 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
                 "scheduling_strategy": strategy, "max_restarts": 0, "max_concurrency": 4}
         return remote.options(**opts).remote(engine_env, cfg.actor.model_name_or_path, kwargs)
 
+    actor_pg = placement.groups["actor"].pg
+    colocated = not cpu and all(ep.pg == actor_pg for ep in placement.engines)  # NCCL: one member per GPU
+    ipc_ranks = [dict(enumerate(ep.bundle_indices)) for ep in placement.engines] if colocated else None
     return EngineActors(spawn, v.num_engines, tp=v.tensor_parallel_size, backend=backend,
                         bucket_bytes=v.sync_bucket_mb << 20, sync_with_ray=v.sync_with_ray,
-                        max_restarts=v.max_restarts, timeout_s=v.request_timeout_s)
+                        max_restarts=v.max_restarts, timeout_s=v.request_timeout_s, ipc_ranks=ipc_ranks)

@@ -278,6 +278,18 @@ class ActorWorker(_TrainableWorker):
             return 0
         return sender.send(stream, self._bucket_bytes)
 
+    def set_ipc_targets(self, targets: list) -> None:
+        """Rank 0: the colocated engines of a CUDA-IPC sync, ``[(engine actor, {tp_rank: actor_rank})]``."""
+        self._ipc_targets = targets
+
+    def send_weights_ipc(self, bucket_bytes: int, fingerprint: bool = False) -> int:
+        """All ranks: the weights by CUDA IPC to the engines on their GPUs (rlhforge.distributed.ipc_sync)."""
+        from rlhforge.backend.device import dist_info
+        from rlhforge.distributed.ipc_sync import stream_ipc
+
+        return stream_ipc(self._engine_weights(), getattr(self, "_ipc_targets", None), bucket_bytes,
+                          rank=dist_info().rank, world_size=self.strategy.world_size, fingerprint=fingerprint)
+
     def weights_fingerprint(self) -> str | None:
         """sha256 of the weights the engines load, as sent (all ranks take part; rank 0 returns it)."""
         from rlhforge.backend.collective import Fingerprint

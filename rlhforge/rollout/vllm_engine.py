@@ -230,13 +230,16 @@ class VLLMEngine:
             self.reset_prefix_cache()
         return fps[0]
 
-    def load_ipc(self, layout: list, handles: list, fingerprint: bool = False) -> str | None:
-        """Reload from CUDA IPC handles of the sender's buckets (GPU, an engine sharing the sender's GPU)."""
+    def load_ipc(self, entries: list, handles_by_rank: dict, fingerprint: bool = False, last: bool = False) -> int:
+        """Load one bucket from CUDA IPC handles (GPU, the engine sharing its GPUs with the sending ranks);
+        ``last``: the sync ends here (prefix cache reset)."""
         with self._lock, self._engine_threads():
             self._wake_weights()
-            fps = self.llm.collective_rpc("rlhforge_load_ipc", args=(layout, handles, fingerprint))
-            self.reset_prefix_cache()
-        return fps[0]
+            n = self.llm.collective_rpc("rlhforge_load_ipc", args=(entries, handles_by_rank, fingerprint))[0]
+            if last:
+                self.llm.collective_rpc("rlhforge_ipc_done")
+                self.reset_prefix_cache()
+        return n
 
     def fingerprint(self) -> str | None:
         """Fingerprint of the weights the last sync loaded (None: never synced, or synced without one)."""

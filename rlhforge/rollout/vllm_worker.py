@@ -110,28 +110,34 @@ class WeightSyncExtension:
         self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
         return self._rlhforge_fingerprint
 
-    def rlhforge_load_ipc(self, layout: list, handles: list, fingerprint: bool = False) -> str | None:
-        """CUDA IPC (an engine sharing the sender's GPU): rebuild each bucket from its handle (no copy
-        through host memory), reload, return the fingerprint. GPU only."""
+    def rlhforge_load_ipc(self, entries: list, handles_by_rank: dict, fingerprint: bool = False) -> int:
+        """CUDA IPC, one bucket (GPU; an engine sharing its GPUs with the actor's ranks): rebuild the
+        bucket that the actor rank on this worker's GPU packed (``handles_by_rank[this worker's rank]``,
+        no copy through host memory) and load its tensors with the model's ``load_weights`` (on GPU the
+        kernels read the parameters as loaded; the CPU repacking that needs ``reload_weights`` does not
+        apply). Returns the number of tensors."""
+        import torch
+
         from rlhforge.backend.collective import Fingerprint, unpack_bucket
 
-        fp = Fingerprint() if fingerprint else None
+        if not entries:  # the closing call of a sync whose last bucket was already sent
+            return 0
+        rebuild, args = handles_by_rank[int(getattr(self, "rank", 0) or 0)]
+        args = list(args)
+        args[6] = torch.cuda.current_device()  # storage_device: this process's index of the shared GPU
+        pairs = unpack_bucket(rebuild(*args), entries)  # unpack copies: the sender may free its buffer after
+        self.model_runner.model.load_weights(weights=pairs)
+        if fingerprint:
+            fp = getattr(self, "_rlhforge_ipc_fp", None) or Fingerprint()
+            for name, t in pairs:
+                fp.add(name, t)
+            self._rlhforge_ipc_fp = fp
+            self._rlhforge_fingerprint = fp.hexdigest()
+        return len(pairs)
 
-        def it() -> Iterator:
-            for entries, (rebuild, args) in zip(layout, handles):
-                import torch
-
-                args = list(args)
-                args[6] = torch.cuda.current_device()  # storage_device: this worker's index of the shared GPU
-                buf = rebuild(*args)
-                for name, tensor in unpack_bucket(buf, entries):
-                    if fp is not None:
-                        fp.add(name, tensor)
-                    yield name, tensor
-
-        self.model_runner.reload_weights(weights_iterator=it())
-        self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
-        return self._rlhforge_fingerprint
+    def rlhforge_ipc_done(self) -> None:
+        """End of an IPC sync (the fingerprint of the next one starts afresh)."""
+        self._rlhforge_ipc_fp = None
 
     def rlhforge_fingerprint(self) -> str | None:
         """Fingerprint of the weights last loaded through a sync (None: still the folder's)."""
