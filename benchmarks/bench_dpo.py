@@ -86,8 +86,11 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4, help="pairs per micro-batch (2x sequences per forward)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (0: leave as is)")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds; each mode keeps its best")
+    parser.add_argument("--quick", action="store_true", help="3 steps of a small batch (a smoke run; numbers not meaningful)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dpo.json"))
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.batch, args.micro, args.repeats = 3, 4, 2, 1
     from rlhforge.models.tiny import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

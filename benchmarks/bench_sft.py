@@ -57,8 +57,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="3 steps of a small batch (a smoke run; numbers not meaningful)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sft.json"))
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.batch = 3, 4
     from rlhforge.models.tiny import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

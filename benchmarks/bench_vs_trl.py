@@ -296,6 +296,9 @@ def main(argv=None) -> int:
     parser.add_argument("--work", nargs="+", choices=("sft", "dpo", "grpo"), default=["sft", "dpo", "grpo"])
     parser.add_argument("--sides", nargs="+", default=None,
                         help="subset of trl rlhforge rlhforge_packed rlhforge_vllm bare (default: all that apply)")
+    parser.add_argument("--shape", help="one shape instead of the grid, as JSON: "
+                        "'{\"batch\": 8, \"max_len\": 512}' (sft/dpo) or '{\"prompts\": 16, \"samples\": 8, "
+                        "\"new_tokens\": 64}' (grpo); works it does not fit are skipped")
     parser.add_argument("--vllm", action="store_true", help="add rlhforge_vllm (--vllm.num_engines 1) to GRPO")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 5; --quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps, not timed (default 3; --quick 1)")
@@ -316,6 +319,10 @@ def main(argv=None) -> int:
     if warmup < 1:
         parser.error("--warmup must be >= 1 (the step time is measured from the end of the last warm-up step)")
     grid = QUICK if args.quick else SWEEP if args.sweep else HEADLINE
+    if args.shape:
+        shape = json.loads(args.shape)
+        grid = {w: [shape] for w, points in grid.items() if set(points[0]) == set(shape)}
+        args.work = [w for w in args.work if w in grid]
     out = Path(args.out or HERE / "results" / ("vs_trl_quick.json" if args.quick else "vs_trl.json"))
     try:
         import trl
