@@ -158,6 +158,10 @@ class PolicyLossSpec:
     spec every step; 0 disables the term)."""
     kl_estimator: str = "k3"
     use_rollout_logprobs_as_old: bool = False
+    old_from_this_forward: bool = False
+    """pi_old = this forward's detached log-probs (ratio 1 by construction): set by the trainer when the
+    rollout feeds exactly one optimizer step with nothing else needing pi_old first, so the separate
+    old-log-prob pass is skipped. Also reports the rollout-vs-trainer log-prob gap from this forward."""
 
 
 class ActorWorker(_TrainableWorker):
@@ -208,9 +212,18 @@ class ActorWorker(_TrainableWorker):
             mask = batch["loss_mask"]
             with strategy.autocast():
                 logp, logits = token_logprobs(self.model, batch, spec.temperature, return_logits=True)
-            old = batch["rollout_logprobs"] if spec.use_rollout_logprobs_as_old else batch["old_logprobs"]
+            gap_metrics = {}
+            if spec.use_rollout_logprobs_as_old:
+                old = batch["rollout_logprobs"]
+            elif spec.old_from_this_forward:
+                old = logp.detach()
+                gap, tokens = (batch["rollout_logprobs"] - old) * mask, mask.sum().clamp_min(1)
+                gap_metrics = {"logprob_diff_rollout_vs_train": gap.abs().sum() / tokens, "vllm_kl": gap.sum() / tokens}
+            else:
+                old = batch["old_logprobs"]
             tok_loss, metrics = loss_fn(logp, old, batch["advantages"], mask, is_weights=batch["is_weights"],
                                         **spec.loss_kwargs)
+            metrics = {**gap_metrics, **metrics}
             policy_loss = aggregate_loss(tok_loss, mask, spec.agg_mode, **agg)
             loss = policy_loss
             if spec.entropy_coef:

@@ -328,9 +328,13 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         rewards = self.shaped_rewards(trajs)
         samples = samples_from_trajectories(trajs, rewards.tolist())
         mb, temp = cfg.rollout.micro_batch_size, cfg.rollout.temperature
-        old = self.actor.map_gather("logprobs", samples, mb, temp)
-        for s, lp in zip(samples, old):
-            s.tensors["old_logprobs"] = lp
+        self.old_from_update = self._old_equals_update(len(samples))
+        if self.old_from_update:  # pi_old = the update's own forward (ratio 1): no separate pass
+            for s in samples:
+                s.tensors["old_logprobs"] = s.tensors["rollout_logprobs"]  # a placeholder nothing reads
+        else:
+            for s, lp in zip(samples, self.actor.map_gather("logprobs", samples, mb, temp)):
+                s.tensors["old_logprobs"] = lp
         if self.ref is not None:
             for s, lp in zip(samples, self.ref.map_gather("logprobs", samples, mb, temp)):
                 s.tensors["ref_logprobs"] = lp
@@ -374,7 +378,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         metrics["rollout/shaped_reward_mean"] = float(rewards.mean())
         metrics["rollout/advantage_mean"] = float(adv[m].mean()) if m.any() else 0.0
         metrics["rollout/advantage_std"] = float(adv[m].std()) if m.sum() > 1 else 0.0
-        if m.any():
+        if m.any() and not self.old_from_update:  # else measured in the update's forward
             metrics["rollout/logprob_diff_rollout_vs_train"] = float((roll_lp - old_lp)[m].abs().mean())
             metrics["rollout/vllm_kl"] = float((roll_lp - old_lp)[m].mean())  # OpenRLHF's vllm_kl (signed k1)
         if values is not None:
@@ -382,13 +386,23 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
             metrics["critic/returns_mean"] = float(ret[m].mean()) if m.any() else 0.0
         return samples, metrics
 
+    def _old_equals_update(self, num_samples: int) -> bool:
+        """True when the old log-probs would equal the update forward's own (detached) log-probs: the
+        rollout feeds exactly one optimizer step of one epoch, the actor is trained this step, and
+        nothing reads pi_old before the update (no reference model, no IS correction)."""
+        cfg = self.cfg
+        actor_frozen = self.critic is not None and self.state.global_step < cfg.critic.freezing_steps
+        return (num_samples <= cfg.train.batch_size and cfg.train.max_epochs == 1 and self.ref is None
+                and cfg.algo.advantage.is_correction_level == "off" and not actor_frozen)
+
     # ------------------------------------------------------------------------------------ update
     def train(self, samples: list[ExperienceSample]) -> dict[str, float]:
         cfg = self.cfg
         bs = cfg.train.batch_size
         actor_frozen = self.critic is not None and self.state.global_step < cfg.critic.freezing_steps
         sums: dict[str, list[float]] = {}
-        spec = dataclasses.replace(self.loss_spec, kl_loss_coef=self._kl_loss_coef())  # this step's beta
+        spec = dataclasses.replace(self.loss_spec, kl_loss_coef=self._kl_loss_coef(),  # this step's beta
+                                   old_from_this_forward=getattr(self, "old_from_update", False))
         sleep = cfg.ds.enable_sleep
         models = [g for g in (self.critic, self.actor) if g is not None]
         if sleep:
@@ -408,6 +422,9 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
             for g in models:
                 g.call("offload_states")
         out = {k: _mean(v) for k, v in sums.items()}
+        for name in ("logprob_diff_rollout_vs_train", "vllm_kl"):  # measured in the update (old_from_update)
+            if f"actor/{name}" in out:
+                out[f"rollout/{name}"] = out.pop(f"actor/{name}")
         out["actor/frozen"] = float(actor_frozen)
         return out
 
