@@ -348,9 +348,14 @@ def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
     def hook(_module, _inputs, output):
         captured["v"] = output
 
-    kwargs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids"), "use_cache": False}
-    if not is_packed(batch):
-        kwargs["attention_mask"] = batch["attention_mask"]
+    rows = None
+    if is_packed(batch):  # bounded rows, as for log-probs: attention never spans the whole micro-batch
+        from rlhforge.models.forward import packed_model_inputs
+
+        kwargs, rows = packed_model_inputs(model, batch)
+    else:
+        kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                  "position_ids": batch.get("position_ids"), "use_cache": False}
     handle = value_head(model, prefix).register_forward_hook(hook)
     try:
         model(**kwargs)

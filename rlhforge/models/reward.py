@@ -172,22 +172,15 @@ def last_token_index(batch: Mapping[str, Any]) -> Tensor:
     return (positions * mask.long()).argmax(-1)
 
 
-def _forward_kwargs(model, batch: Mapping[str, Any]) -> dict[str, Any]:
-    from rlhforge.models.forward import hf_detects_packed_sequences, is_packed, packed_causal_mask
+def _forward_kwargs(model, batch: Mapping[str, Any]):
+    """``model(**kwargs)`` arguments and the packed row layout (None: outputs are already per token of
+    ``batch``). Packed batches run in bounded rows (:func:`rlhforge.models.forward.packed_model_inputs`)."""
+    from rlhforge.models.forward import is_packed, packed_model_inputs
 
-    kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids"), "use_cache": False}
     if is_packed(batch):
-        config = getattr(_unwrap(model), "config", None)
-        impl = getattr(config, "_attn_implementation", None)
-        if not hf_detects_packed_sequences() or impl not in ("sdpa", "eager", "flex_attention", "flash_attention_2",
-                                                               "flash_attention_3"):
-            if impl not in (None, "sdpa", "eager"):
-                raise ValueError(f"packed batches with attn_implementation={impl!r} need transformers' packed-sequence support")
-            dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
-            kwargs["attention_mask"] = packed_causal_mask(batch["position_ids"], dtype=dtype)
-    else:
-        kwargs["attention_mask"] = batch["attention_mask"]
-    return kwargs
+        return packed_model_inputs(_unwrap(model), batch)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+            "position_ids": batch.get("position_ids"), "use_cache": False}, None
 
 
 def sequence_rewards(model, batch: Mapping[str, Any], prefix: str = "score") -> Tensor:
@@ -197,12 +190,13 @@ def sequence_rewards(model, batch: Mapping[str, Any], prefix: str = "score") -> 
     def hook(_module, _inputs, output):
         captured["values"] = output
 
+    kwargs, rows = _forward_kwargs(model, batch)
     handle = value_head(model, prefix).register_forward_hook(hook)
     try:
-        model(**_forward_kwargs(model, batch))
+        model(**kwargs)
     finally:
         handle.remove()
-    values = captured["values"]
+    values = captured["values"] if rows is None else rows.to_packed(captured["values"])
     if values.dim() == 3:
         if values.shape[-1] != 1:
             raise ValueError(f"the value head has {values.shape[-1]} outputs; a reward model has one label")
