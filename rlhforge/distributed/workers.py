@@ -362,6 +362,8 @@ def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
     finally:
         handle.remove()
     v = captured["v"][..., 0].float()
+    if rows is not None:
+        v = rows.to_packed(v)
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
