@@ -129,12 +129,12 @@ def build_trainer(cfg: RLConfig):
         rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=world, num_prompts=len(prompts),
         num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps,
     )
-    placement = None
+    placement = reward_group = None
     if ray_mode:
         from rlhforge.distributed.launch import build_ray_groups
 
-        actor, ref, critic, placement = build_ray_groups(cfg, tokenizer, plan)
-        device = resolve_device(cfg.train.device)  # the driver's: reward model and HF engine
+        actor, ref, critic, placement, reward_group = build_ray_groups(cfg, tokenizer, plan)
+        device = resolve_device(cfg.train.device)  # the driver's: HF engine (reward models: their Ray group)
         strategy_name = f"{cfg.ds.strategy}/ZeRO-{cfg.ds.zero_stage} in Ray workers ({placement.describe()})"
     else:
         actor_w = ActorWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps)
@@ -145,7 +145,13 @@ def build_trainer(cfg: RLConfig):
             if cfg.uses_critic else None
         strategy_name = f"{type(actor_w.strategy).__name__} on {device}"
     reward_source = None
-    if cfg.reward.remote_url or cfg.reward.model_name_or_path or not cfg.train.agent_func_path:
+    if ray_mode and reward_group is not None:  # reward model(s) in their Ray group, rewards summed in the driver
+        from rlhforge.distributed.reward_worker import RewardGroupScorer
+        from rlhforge.rewards.sources import RewardModelSource, reward_model_paths
+
+        reward_source = RewardModelSource(RewardGroupScorer(reward_group),
+                                          reward_model_paths(cfg.reward.model_name_or_path), remote=True)
+    elif cfg.reward.remote_url or cfg.reward.model_name_or_path or not cfg.train.agent_func_path:
         reward_source = build_reward_source(cfg, device=device, pad_token_id=tokenizer.pad_token_id)
     from rlhforge.agents.loader import build_executor
 
@@ -182,6 +188,7 @@ def build_trainer(cfg: RLConfig):
     logger = MetricsLogger(out, cfg.logger, enabled=True, config=to_dict(cfg))
     trainer = RLTrainer(cfg, tokenizer, prompts, eval_prompts, plan, actor=actor, ref=ref, critic=critic,
                         engine=engine, reward_source=reward_source, logger=logger, run_dir=out, executor=executor)
+    trainer.reward_group = reward_group  # closed by run()
     return trainer
 
 
@@ -211,7 +218,7 @@ def run(cfg: RLConfig) -> Path:
         if not isinstance(trainer.actor, InProcessGroup):
             from rlhforge.distributed.launch import close_groups
 
-            close_groups(trainer.actor, trainer.ref, trainer.critic)
+            close_groups(trainer.actor, trainer.ref, trainer.critic, getattr(trainer, "reward_group", None))
     return Path(cfg.ckpt.output_dir)
 
 

@@ -116,7 +116,7 @@ class RefConfig:
     num_gpus_per_node: int = 1
     """Reference workers per node (replicas; each computes the log-probs of its shard). OpenRLHF: 8."""
     offload: bool = False
-    """Offload the reference model to CPU between uses (not supported yet)."""
+    """Keep the reference model in host memory between uses (ZeRO-3: DeepSpeed's ``offload_param``)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,8 @@ class RewardConfig:
     """Where rewards come from, and how they are shaped."""
 
     model_name_or_path: str | None = None
-    """Reward model (HF sequence classifier with one label; e.g. ``rlhforge rm`` output)."""
+    """Reward model(s) (HF sequence classifiers with one label, e.g. ``rlhforge rm`` output); several
+    comma-separated: their rewards are summed. With Ray workers they run in a Ray group."""
     remote_url: str | None = None
     """Reward source: a ``.py`` file defining ``reward_func(queries, prompts, labels, **kw)``, an HTTP
     reward server URL (comma-separated list allowed), or a built-in verifier ``builtin:NAME``
@@ -160,12 +161,11 @@ class RewardConfig:
     stop_properly_penalty_coef: float | None = None
     """Truncated samples: reward * coef (0 <= coef <= 1) or reward = coef (coef < 0). None disables."""
     offload: bool = False
-    """Offload the reward model between uses (not supported yet)."""
+    """Keep the reward model(s) in host memory between uses (ZeRO-3: DeepSpeed's ``offload_param``)."""
     num_nodes: int = 1
-    """No effect (another value prints a notice): a reward model runs in the driver process on one device."""
+    """Nodes of the reward models' Ray group (Ray workers only: in one process they run in the driver)."""
     num_gpus_per_node: int = 1
-    """No effect (another value prints a notice): a reward model runs in the driver process on one device.
-    OpenRLHF: 8."""
+    """Reward workers per node (each scores its shard with every reward model). OpenRLHF: 8."""
 
 
 @dataclass(frozen=True)
@@ -266,8 +266,7 @@ class RLTrainConfig:
     colocate_actor_ref: bool = False
     """Ray: actor and reference share one placement group (equal sizes)."""
     colocate_critic_reward: bool = False
-    """No effect here (prints a notice): the reward model runs in the driver process, so there is no
-    reward worker group for the critic to share devices with."""
+    """Ray: critic and reward models share one placement group (equal sizes)."""
     colocate_all: bool = False
     """Ray: actor, ref and critic share one placement group (the hybrid engine); needed on a CPU
     cluster smaller than the sum of the groups."""

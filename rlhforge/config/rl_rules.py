@@ -29,8 +29,6 @@ _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
     ("train", "dynamic_batch_enable"): (False, "dynamic (token-budget) batching in RL"),
     ("train", "max_tokens_per_gpu"): (16192, "dynamic (token-budget) batching in RL"),
     ("train", "enable_ema"): (False, "EMA of the actor"),
-    ("ref", "offload"): (False, "reference-model offload"),
-    ("reward", "offload"): (False, "reward-model offload"),
     ("actor", "aux_loss_coef"): (0.0, "the MoE auxiliary loss in RL"),
     ("actor", "freeze_visual_encoder"): (False, "vision-language models"),
     ("data", "max_images_per_prompt"): (0, "vision-language models"),
@@ -48,8 +46,6 @@ _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
 
 #: (section, field) -> (default, why): OpenRLHF knobs that mean nothing here; a different value prints one notice
 _NO_EFFECT: dict[tuple[str, str], tuple[object, str]] = {
-    ("train", "colocate_critic_reward"): (False, "the reward model runs in the driver process, so there is no reward "
-                                                 "worker group to share the critic's devices"),
     ("train", "ema_beta"): (0.992, "the actor EMA is not built (--train.enable_ema is refused)"),
     ("data", "dataloader_num_workers"): (0, "prompts are tokenised once, before training (no DataLoader workers)"),
 }
@@ -106,8 +102,9 @@ def validate_rl(cfg) -> None:
             "or builtin:NAME), --reward.model_name_or_path (a reward model), or --train.agent_func_path (an "
             "environment or agent that returns rewards)"
         )
-    if cfg.reward.model_name_or_path and "," in cfg.reward.model_name_or_path:
-        raise ConfigError("several reward models (comma-separated --reward.model_name_or_path) are not supported yet")
+    if cfg.reward.model_name_or_path is not None and not [p for p in cfg.reward.model_name_or_path.split(",") if p.strip()]:
+        raise ConfigError(f"--reward.model_name_or_path {cfg.reward.model_name_or_path!r} names no model (one path, or "
+                          "several comma-separated: their rewards are summed)")
     est = cfg.algo.advantage.estimator
     n = cfg.rollout.n_samples_per_prompt
     if est in _GROUP_ESTIMATORS and n <= 1:
@@ -181,10 +178,7 @@ def no_effect_notices(cfg) -> list[str]:
             shown = "" if isinstance(value, bool) else f" {value}"
             out.append(f"--{section}.{name}{shown} has no effect: {why}")
     out += deepspeed_only_notices(cfg.ds, rl_strategy(cfg))
-    for name in ("num_nodes", "num_gpus_per_node"):
-        value = getattr(cfg.reward, name)
-        if value != 1:
-            out.append(f"--reward.{name} {value} has no effect: a reward model runs in the driver process on one device")
+    out += _frozen_model_notices(cfg)
     v = cfg.vllm
     v0 = type(v)()  # the defaults
     if not v.num_engines:
@@ -213,6 +207,35 @@ def no_effect_notices(cfg) -> list[str]:
     if cfg.reward.wait_for_server_s and not _http_reward(cfg):
         out.append(f"--reward.wait_for_server_s {cfg.reward.wait_for_server_s} has no effect: there is no HTTP reward "
                    "server to wait for")
+    return out
+
+
+def uses_reward_model(cfg) -> bool:
+    """Whether rewards come from reward model(s) (``--reward.model_name_or_path``; a ``--reward.remote_url``
+    wins): with Ray workers they run in a Ray ``reward`` group, else in the driver."""
+    return bool(cfg.reward.model_name_or_path) and not cfg.reward.remote_url
+
+
+def _frozen_model_notices(cfg) -> list[str]:
+    """``--reward.num_*``, ``--train.colocate_critic_reward``, ``--ref.offload``, ``--reward.offload``
+    where there is no reward group / critic / reference / reward model for them to act on."""
+    out, ray, rm = [], uses_ray(cfg), uses_reward_model(cfg)
+    where = ("no reward model to place (--reward.model_name_or_path unset or overridden by --reward.remote_url)"
+             if not rm else "without Ray workers the reward model runs in the driver process on one device "
+             "(--train.workers ray puts it in a Ray group)")
+    for name in ("num_nodes", "num_gpus_per_node"):
+        value = getattr(cfg.reward, name)
+        if value != 1 and not (ray and rm):
+            out.append(f"--reward.{name} {value} has no effect: {where}")
+    if cfg.train.colocate_critic_reward and not (ray and rm and cfg.uses_critic and not cfg.train.colocate_all):
+        why = (where if not (ray and rm) else "there is no critic (--algo.advantage.estimator gae)" if not cfg.uses_critic
+               else "--train.colocate_all already puts every model in one placement group")
+        out.append(f"--train.colocate_critic_reward has no effect: {why}")
+    if cfg.ref.offload and not cfg.uses_ref:
+        out.append("--ref.offload has no effect: there is no reference model (--algo.kl.init_coef 0)")
+    if cfg.reward.offload and not rm:
+        out.append("--reward.offload has no effect: no reward model (--reward.model_name_or_path unset or overridden "
+                   "by --reward.remote_url)")
     return out
 
 
@@ -291,6 +314,8 @@ def uses_ray(cfg) -> bool:
         sizes.append(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
     if cfg.uses_ref:
         sizes.append(cfg.ref.num_nodes * cfg.ref.num_gpus_per_node)
+    if uses_reward_model(cfg):
+        sizes.append(cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
     return max(sizes) > 1 or bool(os.environ.get("RAY_ADDRESS"))
 
 
@@ -313,6 +338,12 @@ def _validate_distributed(cfg) -> None:
     for name in ("num_nodes", "num_gpus_per_node"):
         if getattr(cfg.reward, name) < 1:
             raise ConfigError(f"--reward.{name} must be >= 1 (got {getattr(cfg.reward, name)})")
+    critic_n, reward_n = (cfg.critic.num_nodes * cfg.critic.num_gpus_per_node,
+                          cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
+    if (t.colocate_critic_reward and not t.colocate_all and cfg.uses_critic and uses_reward_model(cfg)
+            and uses_ray(cfg) and critic_n != reward_n):
+        raise ConfigError(f"--train.colocate_critic_reward needs as many reward workers as critic workers (critic "
+                          f"{critic_n}, reward {reward_n}: --reward.num_nodes x --reward.num_gpus_per_node)")
     world = cfg.actor.num_nodes * cfg.actor.num_gpus_per_node
     if uses_ray(cfg):
         if cfg.ds.load_in_4bit:

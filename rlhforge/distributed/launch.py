@@ -2,8 +2,9 @@
 
 The driver (this process: ``python -m rlhforge.cli.train_ppo_ray`` run directly, by ``ray job
 submit``, or by a Slurm script) is the single controller: it owns the prompt stream, the agent
-executors, the reward sources and the generation engines, and calls the worker groups. Only the
-trained and reference models live in Ray actors.
+executors and the reward functions, and calls the worker groups. The models live in Ray actor
+groups, and the vLLM engines (``--vllm.num_engines``) in engine actors of their own
+(:mod:`rlhforge.distributed.engine_actors`); the HF engine stays in the driver.
 """
 
 from __future__ import annotations
@@ -48,11 +49,14 @@ def ray_device(requested: str) -> str:
 def build_ray_groups(cfg, tokenizer, plan):
     """Placement groups and the actor / ref / critic Ray worker groups of one run.
 
-    Returns ``(actor, ref, critic, placement)``; ref/critic are None when the run has none."""
+    Returns ``(actor, ref, critic, placement, reward)``; ref/critic/reward are None when the run has
+    none (``reward``: the reward-model group, :mod:`rlhforge.distributed.reward_worker`)."""
     import ray
 
     from rlhforge.distributed.placement import check_resources, plan_placement
     from rlhforge.distributed.ray_group import RayWorkerGroup, create_placement_groups
+    from rlhforge.config.rl_rules import uses_reward_model
+    from rlhforge.distributed.reward_worker import RewardWorker
     from rlhforge.distributed.workers import ActorWorker, CriticWorker, RefWorker
 
     init_ray()
@@ -62,8 +66,13 @@ def build_ray_groups(cfg, tokenizer, plan):
         sizes["ref"] = cfg.ref.num_nodes * cfg.ref.num_gpus_per_node
     if cfg.uses_critic:
         sizes["critic"] = cfg.critic.num_nodes * cfg.critic.num_gpus_per_node
+    if uses_reward_model(cfg):
+        sizes["reward"] = cfg.reward.num_nodes * cfg.reward.num_gpus_per_node
+    num_engines = cfg.vllm.num_engines or 0  # with Ray workers the engines are Ray actors too
     placement = plan_placement(sizes, device=device, colocate_all=cfg.train.colocate_all,
-                               colocate_actor_ref=cfg.train.colocate_actor_ref)
+                               colocate_actor_ref=cfg.train.colocate_actor_ref,
+                               colocate_critic_reward=cfg.train.colocate_critic_reward, num_engines=num_engines,
+                               engine_tp=cfg.vllm.tensor_parallel_size)
     check_resources(placement, ray.available_resources())
     pgs = create_placement_groups(placement)
     env = {"RLHFORGE_RAY_WORKER": "1", **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}
@@ -74,20 +83,22 @@ def build_ray_groups(cfg, tokenizer, plan):
                               device=device, process_group=process_group, env=env, wait=False)
 
     actor = group("actor", ActorWorker, (cfg, tokenizer, plan.total_updates, plan.grad_accum_steps))
-    ref = group("ref", RefWorker, (cfg, tokenizer), process_group=False) if "ref" in sizes else None
+    ref = group("ref", RefWorker, (cfg, tokenizer)) if "ref" in sizes else None  # a process group: ZeRO-3 shards
+    reward = group("reward", RewardWorker, (cfg, tokenizer)) if "reward" in sizes else None
     critic = None
     if "critic" in sizes:
         critic_plan = plan if sizes["critic"] == sizes["actor"] else None
         accum = critic_plan.grad_accum_steps if critic_plan else cfg.train.batch_size // (
             cfg.train.micro_batch_size * sizes["critic"])
         critic = group("critic", CriticWorker, (cfg, tokenizer, plan.total_updates, max(accum, 1)))
-    for g in (actor, ref, critic):  # all groups load their models at the same time; wait for them here
+    for g in (actor, ref, critic, reward):  # all groups load their models at the same time; wait for them here
         if g is not None:
             g.ready()
     actor.placement_groups = list(pgs.values())  # removed by close_groups
-    if not cfg.vllm.sync_with_ray:
+    actor.pgs = pgs  # the engine actors' bundles (distributed.engine_actors.build_engine_actors)
+    if not cfg.vllm.sync_with_ray and not num_engines:  # the driver's engine: a channel rank 0 -> the driver
         actor.open_weight_channel(cfg.vllm.sync_bucket_mb)
-    return actor, ref, critic, placement
+    return actor, ref, critic, placement, reward
 
 
 def close_groups(*groups) -> None:

@@ -314,28 +314,36 @@ class ActorWorker(_TrainableWorker):
 
 
 class RefWorker:
-    """Frozen reference policy (the actor's initial weights, without LoRA)."""
+    """Frozen reference policy (the actor's initial weights, without LoRA), prepared like the actor
+    (:class:`~rlhforge.backend.frozen.FrozenModel`): the actor's dtype mechanism, so KL is exactly 0
+    before the first update; ZeRO-3 partitioned over the ref group when the actor runs ZeRO-3;
+    ``--ref.offload`` keeps it in host memory between uses."""
 
     def __init__(self, cfg, tokenizer, device=None):
         from rlhforge.backend.device import dist_info, resolve_device
+        from rlhforge.backend.frozen import FrozenModel
         from rlhforge.config.components import LoraConfig
+        from rlhforge.distributed.reward_worker import actor_strategy_kind
         from rlhforge.models.loading import load_causal_lm
 
         device = device if device is not None else resolve_device(cfg.train.device, dist_info().local_rank)
         ds = dataclasses.replace(cfg.ds, lora=LoraConfig(), load_in_4bit=False)
         model_cfg = dataclasses.replace(cfg.actor, gradient_checkpointing_enable=False)
-        self.model = load_causal_lm(cfg.actor.model_name_or_path, model_cfg, ds, device).to(device).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        model = load_causal_lm(cfg.actor.model_name_or_path, model_cfg, ds, device)
+        self.frozen = FrozenModel(model, ds, device, kind=actor_strategy_kind(cfg), offload=cfg.ref.offload)
         self.tokenizer, self.device, self.packed = tokenizer, device, cfg.ds.packing_samples
 
     @torch.no_grad()
     def logprobs(self, samples, micro_batch_size: int, temperature: float) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
-        for chunk in _chunks(samples, micro_batch_size):
-            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
-            out.extend(_per_sample(token_logprobs(self.model, batch, temperature), batch, chunk))
+        with self.frozen.use() as model:
+            for chunk in _chunks(samples, micro_batch_size):
+                batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
+                out.extend(_per_sample(token_logprobs(model, batch, temperature), batch, chunk))
         return out
+
+    def offload_stats(self) -> dict:
+        return self.frozen.stats()
 
 
 def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
@@ -373,7 +381,8 @@ class CriticWorker(_TrainableWorker):
         from rlhforge.models.reward import load_reward_model
 
         self.cfg, self.tokenizer = cfg, tokenizer
-        path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or cfg.actor.model_name_or_path
+        first_rm = (cfg.reward.model_name_or_path or "").split(",")[0].strip()  # OpenRLHF: the first reward model
+        path = cfg.critic.model_name_or_path or first_rm or cfg.actor.model_name_or_path
         plan = _plan(cfg.train.micro_batch_size, grad_accum, max(total_updates, 1))
         self.strategy = build_strategy(cfg.ds, cfg.critic.optim_config(), cfg.train, plan)
         seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)  # a new value head: same init on

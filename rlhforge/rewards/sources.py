@@ -19,6 +19,10 @@ reward model. :func:`build_reward_source` picks one from ``--reward.remote_url``
 - ``endpoints:path/to/file``: a live list of such servers (one URL per line), re-read before
   every reward call, so servers can be moved or replaced without stopping training; a bad or
   empty file keeps the last good list and warns (:mod:`rlhforge.rewards.endpoints`).
+
+``--reward.model_name_or_path a[,b,...]`` (without ``--reward.remote_url``): one or more reward
+models scoring the token ids, their rewards summed (:class:`RewardModelSource`); in this process,
+or, with Ray workers, in a Ray reward group (:mod:`rlhforge.distributed.reward_worker`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from typing import Any, Callable
 
 from rlhforge.rewards.base import RewardBatch, RewardError, RewardOutput
 
-__all__ = ["FunctionReward", "BuiltinReward", "RemoteReward", "RewardModelSource", "build_reward_source",
-           "load_reward_func"]
+__all__ = ["FunctionReward", "BuiltinReward", "RemoteReward", "RewardModels", "RewardModelSource",
+           "build_reward_source", "load_reward_func", "reward_model_paths", "combine_rewards"]
 
 _OPTIONAL_KWARGS = ("responses", "datasources", "finish_reasons")
 
@@ -201,39 +205,91 @@ class RemoteReward:
         return res
 
 
-class RewardModelSource:
-    """A reward model scoring the token ids directly (no re-tokenisation), optionally normalised."""
+def reward_model_paths(value: str | None) -> list[str]:
+    """``--reward.model_name_or_path a,b`` -> ``["a", "b"]`` (OpenRLHF's comma-separated ``--reward_pretrain``)."""
+    return [p.strip() for p in (value or "").split(",") if p.strip()]
 
-    def __init__(self, path: str, model_cfg, ds_cfg, device, *, pad_token_id: int, normalize: bool,
-                 micro_batch_size: int = 8, value_head_prefix: str = "score"):
+
+class RewardModels:
+    """The reward models of ``paths`` in this process (the driver, or one rank of the Ray reward
+    group): each loaded as a one-label sequence classifier and prepared as a frozen model
+    (:class:`~rlhforge.backend.frozen.FrozenModel`: the actor's precision mechanism ``kind``,
+    ZeRO-3 sharded under ZeRO-3, ``offload`` between uses). ``normalize``: each model's reward is
+    normalised with the mean/std stored in *its own* config."""
+
+    def __init__(self, paths, model_cfg, ds_cfg, device, *, pad_token_id: int, normalize: bool,
+                 micro_batch_size: int = 8, value_head_prefix: str = "score", kind: str = "torch",
+                 offload: bool = False):
+        import dataclasses
+
+        from rlhforge.backend.frozen import FrozenModel
         from rlhforge.models.reward import load_reward_model, reward_stats
 
-        self.name = f"reward model {path}"
-        self.model = load_reward_model(path, model_cfg, ds_cfg, device, pad_token_id=pad_token_id,
-                                       value_head_prefix=value_head_prefix).eval()
+        self.paths = list(paths)
         self.prefix, self.pad, self.device = value_head_prefix, pad_token_id, device
         self.micro_batch_size = micro_batch_size
-        self.stats = reward_stats(self.model.config) if normalize else None
-        if normalize and self.stats is None:
-            raise RewardError(f"--reward.normalize_enable: {path} has no reward_mean/reward_std in its config.json")
+        self.models, self.stats = [], []
+        for path in self.paths:
+            model = load_reward_model(path, dataclasses.replace(model_cfg, model_name_or_path=path), ds_cfg, device,
+                                      pad_token_id=pad_token_id, value_head_prefix=value_head_prefix)
+            stats = reward_stats(model.config) if normalize else None
+            if normalize and stats is None:
+                raise RewardError(f"--reward.normalize_enable: {path} has no reward_mean/reward_std in its config.json")
+            self.models.append(FrozenModel(model, ds_cfg, device, kind=kind, offload=offload))
+            self.stats.append(stats)
 
-    async def __call__(self, batch: RewardBatch) -> RewardOutput:
+    def score(self, seqs: list[list[int]]) -> list[list[float]]:
+        """``[sample][model]`` rewards of the token-id sequences ``seqs``."""
         import torch
 
         from rlhforge.data.packing import collate_padded
         from rlhforge.models.reward import sequence_rewards
 
+        per_model = []
+        for frozen, stats in zip(self.models, self.stats):
+            out: list[float] = []
+            with frozen.use() as model:
+                for s in range(0, len(seqs), self.micro_batch_size):
+                    chunk = [{"input_ids": list(q), "loss_mask": [0] * len(q)} for q in seqs[s : s + self.micro_batch_size]]
+                    b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in collate_padded(chunk, self.pad).items()}
+                    out.extend(sequence_rewards(model, b, self.prefix).float().cpu().tolist())
+            if stats is not None:
+                mean, std = stats
+                out = [(r - mean) / max(std, 1e-8) for r in out]
+            per_model.append(out)
+        return [list(row) for row in zip(*per_model)]
+
+    def offload_stats(self) -> list[dict]:
+        return [m.stats() for m in self.models]
+
+
+def combine_rewards(per_model: list[float]) -> float:
+    """Several reward models: the sum of their rewards, as OpenRLHF 0.6.x's default ``reward_fn``
+    (``torch.stack(rewards).sum(dim=0)`` in ``openrlhf/cli/train_ppo_ray.py``; 0.7+ takes one model)."""
+    return float(sum(per_model))
+
+
+class RewardModelSource:
+    """Reward models scoring the token ids directly (no re-tokenisation). ``scorer.score(seqs)``
+    returns ``[sample][model]`` rewards: :class:`RewardModels` in this process, or a Ray reward
+    group's scorer (``remote=True``: called off the event loop). Several models: rewards are summed
+    (:func:`combine_rewards`) and each model's reward is logged as ``reward_model_<k>``."""
+
+    def __init__(self, scorer, paths, *, remote: bool = False):
+        self.scorer, self.paths, self.remote = scorer, list(paths), remote
+        self.group = getattr(scorer, "group", None)
+        where = " (Ray reward group)" if remote else ""
+        self.name = (f"reward model {self.paths[0]}{where}" if len(self.paths) == 1
+                     else f"reward models {', '.join(self.paths)} (summed){where}")
+
+    async def __call__(self, batch: RewardBatch) -> RewardOutput:
         seqs = [list(p) + list(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        out: list[float] = []
-        with torch.no_grad():
-            for s in range(0, len(seqs), self.micro_batch_size):
-                chunk = [{"input_ids": q, "loss_mask": [0] * len(q)} for q in seqs[s : s + self.micro_batch_size]]
-                b = {k: v.to(self.device) for k, v in collate_padded(chunk, self.pad).items()}
-                out.extend(sequence_rewards(self.model, b, self.prefix).float().cpu().tolist())
-        if self.stats is not None:
-            mean, std = self.stats
-            out = [(r - mean) / max(std, 1e-8) for r in out]
-        return RewardOutput(rewards=out, scores=list(out))
+        per = await asyncio.to_thread(self.scorer.score, seqs) if self.remote else self.scorer.score(seqs)
+        rewards = [combine_rewards(row) for row in per]
+        extra = {}
+        if len(self.paths) > 1:
+            extra = {f"reward_model_{k}": [row[k] for row in per] for k in range(len(self.paths))}
+        return RewardOutput(rewards=rewards, scores=list(rewards), extra_logs=extra)
 
 
 def build_reward_source(cfg, *, device=None, pad_token_id: int | None = None):
@@ -256,12 +312,24 @@ def build_reward_source(cfg, *, device=None, pad_token_id: int | None = None):
             f"--reward.remote_url {url!r}: expected a .py file with reward_func, an http(s):// URL, "
             "endpoints:FILE or builtin:NAME"
         )
+    paths = reward_model_paths(cfg.reward.model_name_or_path)
+    models = RewardModels(paths, reward_model_config(cfg), reward_ds_config(cfg), device, pad_token_id=pad_token_id,
+                          normalize=cfg.reward.normalize_enable, micro_batch_size=cfg.rollout.micro_batch_size,
+                          value_head_prefix=cfg.ds.value_head_prefix, offload=cfg.reward.offload)
+    return RewardModelSource(models, paths)
+
+
+def reward_model_config(cfg):
+    """The :class:`~rlhforge.config.components.ModelConfig` reward models load with."""
+    from rlhforge.config.components import ModelConfig
+
+    return ModelConfig(model_name_or_path=cfg.reward.model_name_or_path, trust_remote_code=cfg.actor.trust_remote_code)
+
+
+def reward_ds_config(cfg):
+    """``cfg.ds`` without LoRA / 4-bit: a reward model is not trained."""
     import dataclasses
 
-    from rlhforge.config.components import LoraConfig, ModelConfig
+    from rlhforge.config.components import LoraConfig
 
-    ds = dataclasses.replace(cfg.ds, lora=LoraConfig(), load_in_4bit=False)  # the reward model is not trained
-    model_cfg = ModelConfig(model_name_or_path=cfg.reward.model_name_or_path, trust_remote_code=cfg.actor.trust_remote_code)
-    return RewardModelSource(cfg.reward.model_name_or_path, model_cfg, ds, device, pad_token_id=pad_token_id,
-                             normalize=cfg.reward.normalize_enable, micro_batch_size=cfg.rollout.micro_batch_size,
-                             value_head_prefix=cfg.ds.value_head_prefix)
+    return dataclasses.replace(cfg.ds, lora=LoraConfig(), load_in_4bit=False)

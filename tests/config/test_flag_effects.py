@@ -43,15 +43,16 @@ RL_BASE = ["--actor.model_name_or_path", MISSING, "--data.prompt_dataset", "buil
 
 RL_REFUSED = [
     "--rollout.vllm_generate_batch_size", "--rollout.max_tokens_per_gpu", "--train.dynamic_batch_enable",
-    "--train.max_tokens_per_gpu", "--train.enable_ema", "--ref.offload", "--reward.offload", "--actor.aux_loss_coef",
+    "--train.max_tokens_per_gpu", "--train.enable_ema", "--actor.aux_loss_coef",
     "--actor.freeze_visual_encoder", "--data.max_images_per_prompt", "--data.image_key", "--ds.use_universal_ckpt",
     "--ds.deepcompile", "--ds.use_liger_kernel", "--ds.ring_attn_size", "--ds.ring_attn_head_stride",
     "--ds.tensor_parallel_size", "--ds.experts_implementation", "--algo.kl.unbiased_gradient", "--use_ms",
 ]
 RL_NOTICE = [
     # always in this project
-    "--train.colocate_critic_reward", "--train.ema_beta", "--data.dataloader_num_workers",
-    "--reward.num_nodes", "--reward.num_gpus_per_node",
+    "--train.ema_beta", "--data.dataloader_num_workers",
+    # without Ray workers, a critic and a reward model (--reward.offload: without a reward model)
+    "--train.colocate_critic_reward", "--reward.num_nodes", "--reward.num_gpus_per_node", "--reward.offload",
     # DeepSpeed-only: when no worker group runs DeepSpeed (one process -> plain torch)
     "--ds.zero_stage", "--ds.zpg", "--ds.adam_offload", "--ds.overlap_comm", "--ds.grad_accum_dtype",
     # without --vllm.num_engines (the HF engine) / without Ray workers
@@ -91,6 +92,10 @@ PROOFS = {
     "--reward.api_key": "tests/rewards/test_reward_api_key.py",  # works with an HTTP server (noticed without)
     "--reward.wait_for_server_s": "tests/config/test_startup_errors.py",
     "--logger.logging_steps": "tests/config/test_startup_errors.py",
+    "--ref.offload": "tests/rl/test_ref_precision.py",  # offload/reload counts, log-probs unchanged
+    "--reward.offload": "tests/distributed/test_reward_group.py",
+    "--reward.num_gpus_per_node": "tests/distributed/test_reward_group.py",  # a 2-rank Ray reward group
+    "--train.colocate_critic_reward": "tests/distributed/test_reward_group.py",
 }
 
 
