@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 __all__ = ["open_group", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
-           "receive_state", "state_fingerprint", "Fingerprint", "SyncGroup"]
+           "stream_buckets", "receive_state", "state_fingerprint", "Fingerprint", "SyncGroup"]
 
 
 def free_port() -> int:
@@ -91,34 +91,46 @@ def unpack_bucket(buffer: torch.Tensor, entries: list[tuple[str, torch.dtype, tu
     return out
 
 
-def broadcast_state(pg, named, bucket_bytes: int, device: str = "cpu") -> int:
-    """Rank 0's side: stream ``named`` ((name, tensor) pairs or a dict; each tensor may be freed once
-    the next is asked for, e.g. a ZeRO-3 parameter gathered for the moment) to every member in buckets
-    of at most ``bucket_bytes`` (a larger tensor goes alone). Per bucket: its header (names, dtypes,
-    shapes, last-or-not), then its bytes. Peak memory: one bucket. Returns the number of buckets."""
+def stream_buckets(named, bucket_bytes: int, device: str | torch.device = "cpu"
+                   ) -> Iterator[tuple[list, torch.Tensor | None, bool]]:
+    """Group (name, tensor) pairs (or a dict) into buckets of at most ``bucket_bytes`` (a larger tensor
+    goes alone), each copied into one flat uint8 buffer on ``device`` as its tensors arrive (a tensor
+    may be freed once the next is asked for, e.g. a ZeRO-3 parameter gathered for the moment).
+    Yields ``(entries, buffer, last)`` with ``entries`` = [(name, dtype, shape)]; an empty stream
+    yields one ``([], None, True)``. Peak memory: one bucket beyond the one being consumed."""
     items = named.items() if isinstance(named, dict) else named
     entries: list = []
     parts: list[torch.Tensor] = []
-    size = sent = 0
+    size = 0
+    pending = None
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        if entries and size + n > bucket_bytes:
+            if pending is not None:
+                yield (*pending, False)
+            pending, entries, parts, size = (entries, torch.cat(parts)), [], [], 0
+        entries.append((name, t.dtype, tuple(t.shape)))
+        parts.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8).clone())
+        size += n
+    if entries:
+        if pending is not None:
+            yield (*pending, False)
+        pending = (entries, torch.cat(parts))
+    yield (*(pending or ([], None)), True)
 
-    def flush(last: bool) -> None:
+
+def broadcast_state(pg, named, bucket_bytes: int, device: str = "cpu") -> int:
+    """Rank 0's side: stream ``named`` to every member (:func:`stream_buckets`); per bucket, its header
+    (names, dtypes, shapes, last-or-not), then its bytes. Returns the number of buckets."""
+    sent = 0
+    for entries, buf, last in stream_buckets(named, bucket_bytes, device):
         header = torch.frombuffer(bytearray(pickle.dumps((entries, last))), dtype=torch.uint8).to(device)
         pg.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=device), 0).wait()
         pg.broadcast(header, 0).wait()
         if entries:
-            pg.broadcast(torch.cat(parts), 0).wait()
-
-    for name, t in items:
-        n = t.numel() * t.element_size()
-        if entries and size + n > bucket_bytes:
-            flush(False)
+            pg.broadcast(buf, 0).wait()
             sent += 1
-            entries, parts, size = [], [], 0
-        entries.append((name, t.dtype, tuple(t.shape)))
-        parts.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8).clone())
-        size += n
-    flush(True)
-    return sent + (1 if entries else 0)
+    return sent
 
 
 def receive_state(pg, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:

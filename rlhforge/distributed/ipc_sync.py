@@ -27,14 +27,11 @@ def stream_ipc(named: Iterable, targets: list | None, bucket_bytes: int, *, rank
     import torch.distributed as dist
     from torch.multiprocessing.reductions import reduce_tensor
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    entries: list = []
-    parts: list[torch.Tensor] = []
-    size = buckets = 0
+    from rlhforge.backend.collective import stream_buckets
 
-    def flush(last: bool) -> None:
-        buf = torch.cat(parts) if parts else None
-        torch.cuda.synchronize(device)
+    buckets = 0
+    for entries, buf, last in stream_buckets(named, bucket_bytes, torch.device("cuda", torch.cuda.current_device())):
+        torch.cuda.synchronize()
         handle = reduce_tensor(buf) if buf is not None else None
         gathered = [handle]
         if world_size > 1:
@@ -45,17 +42,7 @@ def stream_ipc(named: Iterable, targets: list | None, bucket_bytes: int, *, rank
                     for engine, ranks in (targets or [])]
             ray.get(refs)
         if world_size > 1:
-            dist.barrier()  # every engine has copied the bucket out: the buffers may go
-        del buf
-
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        if entries and size + n > bucket_bytes:
-            flush(False)
-            buckets += 1
-            entries, parts, size = [], [], 0
-        entries.append((name, t.dtype, tuple(t.shape)))
-        parts.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8).clone())
-        size += n
-    flush(True)
-    return buckets + (1 if entries else 0)
+            dist.barrier()  # every engine has copied the bucket out: the buffer may go
+        buckets += bool(entries)
+        del buf, handle
+    return buckets

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["init_ray", "ray_device", "build_ray_groups", "close_groups"]
+__all__ = ["init_ray", "ray_device", "build_ray_groups", "wait_for_resources", "close_groups"]
 
 #: Set in every Ray worker (the driver's own value wins when it has one, as in OpenRLHF).
 RAY_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "WARN"}
@@ -53,7 +53,7 @@ def build_ray_groups(cfg, tokenizer, plan):
     none (``reward``: the reward-model group, :mod:`rlhforge.distributed.reward_worker`)."""
     import ray
 
-    from rlhforge.distributed.placement import check_resources, plan_placement
+    from rlhforge.distributed.placement import plan_placement
     from rlhforge.distributed.ray_group import RayWorkerGroup, create_placement_groups
     from rlhforge.config.rl_rules import uses_reward_model
     from rlhforge.distributed.reward_worker import RewardWorker
@@ -73,7 +73,7 @@ def build_ray_groups(cfg, tokenizer, plan):
                                colocate_actor_ref=cfg.train.colocate_actor_ref,
                                colocate_critic_reward=cfg.train.colocate_critic_reward, num_engines=num_engines,
                                engine_tp=cfg.vllm.tensor_parallel_size)
-    check_resources(placement, ray.available_resources())
+    wait_for_resources(placement)
     pgs = create_placement_groups(placement)
     env = {"RLHFORGE_RAY_WORKER": "1", **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}
 
@@ -99,6 +99,30 @@ def build_ray_groups(cfg, tokenizer, plan):
     if not cfg.vllm.sync_with_ray and not num_engines:  # the driver's engine: a channel rank 0 -> the driver
         actor.open_weight_channel(cfg.vllm.sync_bucket_mb)
     return actor, ref, critic, placement, reward
+
+
+def wait_for_resources(placement, timeout_s: float = 30.0) -> None:
+    """Fail at once (ConfigError, with the arithmetic) when the whole cluster cannot hold the plan;
+    when only its *free* resources fall short, wait up to ``timeout_s`` first: Ray releases the
+    bundles of actors and placement groups removed a moment ago (an earlier run in this process)
+    asynchronously."""
+    import time
+
+    import ray
+
+    from rlhforge.config.parsing import ConfigError
+    from rlhforge.distributed.placement import check_resources
+
+    check_resources(placement, ray.cluster_resources())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            check_resources(placement, ray.available_resources())
+            return
+        except ConfigError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def close_groups(*groups) -> None:

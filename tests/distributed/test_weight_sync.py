@@ -57,3 +57,19 @@ def test_fingerprint_sees_every_byte_and_ignores_order():
     b["w"][1, 2] = torch.nextafter(b["w"][1, 2], torch.tensor(100.0))  # one ulp
     assert state_fingerprint(b) != state_fingerprint(a)
     assert state_fingerprint({"w": a["w"].reshape(3, 2), "b": a["b"]}) != state_fingerprint(a)  # shape counts
+
+
+def test_streamed_buckets_follow_the_bucket_plan():
+    from rlhforge.backend.collective import stream_buckets
+
+    bf16 = torch.bfloat16
+    state = {"a": torch.arange(4.0), "b": torch.ones(2, 2), "c": torch.tensor([1.5, -2.0, 3.25], dtype=bf16),
+             "d": torch.arange(10.0), "e": torch.tensor([7.0])}
+    layout = [(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
+    got = list(stream_buckets(state, 40))
+    assert [[n for n, _, _ in entries] for entries, _, _ in got] == [[layout[i][0] for i in b]
+                                                                     for b in plan_buckets(layout, 40)]
+    assert [last for _, _, last in got] == [False, False, True]
+    back = {n: t for entries, buf, _ in got for n, t in unpack_bucket(buf, entries)}
+    assert all(torch.equal(back[k], state[k]) and back[k].dtype == state[k].dtype for k in state)
+    assert list(stream_buckets({}, 40)) == [([], None, True)]
