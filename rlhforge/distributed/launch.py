@@ -53,26 +53,16 @@ def build_ray_groups(cfg, tokenizer, plan):
     none (``reward``: the reward-model group, :mod:`rlhforge.distributed.reward_worker`)."""
     import ray
 
-    from rlhforge.distributed.placement import plan_placement
+    from rlhforge.distributed.placement import plan_from_config
     from rlhforge.distributed.ray_group import RayWorkerGroup, create_placement_groups
-    from rlhforge.config.rl_rules import uses_reward_model
     from rlhforge.distributed.reward_worker import RewardWorker
     from rlhforge.distributed.workers import ActorWorker, CriticWorker, RefWorker
 
     init_ray()
     device = ray_device(cfg.train.device)
-    sizes = {"actor": cfg.actor.num_nodes * cfg.actor.num_gpus_per_node}
-    if cfg.uses_ref:
-        sizes["ref"] = cfg.ref.num_nodes * cfg.ref.num_gpus_per_node
-    if cfg.uses_critic:
-        sizes["critic"] = cfg.critic.num_nodes * cfg.critic.num_gpus_per_node
-    if uses_reward_model(cfg):
-        sizes["reward"] = cfg.reward.num_nodes * cfg.reward.num_gpus_per_node
-    num_engines = cfg.vllm.num_engines or 0  # with Ray workers the engines are Ray actors too
-    placement = plan_placement(sizes, device=device, colocate_all=cfg.train.colocate_all,
-                               colocate_actor_ref=cfg.train.colocate_actor_ref,
-                               colocate_critic_reward=cfg.train.colocate_critic_reward, num_engines=num_engines,
-                               engine_tp=cfg.vllm.tensor_parallel_size)
+    placement = plan_from_config(cfg, device)  # the plan --train.plan_only prints; engines are Ray actors too
+    sizes = {name: g.num_workers for name, g in placement.groups.items()}
+    num_engines = len(placement.engines)
     wait_for_resources(placement)
     pgs = create_placement_groups(placement)
     env = {"RLHFORGE_RAY_WORKER": "1", **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}

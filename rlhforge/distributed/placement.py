@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from rlhforge.config.parsing import ConfigError
 
-__all__ = ["GroupPlacement", "EnginePlacement", "PlacementPlan", "plan_placement", "check_resources"]
+__all__ = ["GroupPlacement", "EnginePlacement", "PlacementPlan", "plan_placement", "plan_sizes", "plan_from_config", "check_resources"]
 
 MODELS = ("actor", "ref", "critic", "reward")
 
@@ -210,3 +210,28 @@ def check_resources(plan: PlacementPlan, available: dict[str, float]) -> None:
         if need > cpus + 1e-9:
             raise ConfigError(f"the Ray workers need {need} GPU bundle(s) of {plan.bundle()} ({plan.describe()}) "
                               f"but the Ray cluster has {cpus:g} free CPU(s) for them; add CPUs to the cluster")
+
+
+def plan_sizes(cfg) -> dict[str, int]:
+    """Ranks of each model a Ray run places (``num_nodes x num_gpus_per_node``): the actor, the reference
+    (``cfg.uses_ref``), the critic (``cfg.uses_critic``), the reward model(s) (``uses_reward_model``)."""
+    from rlhforge.config.rl_rules import uses_reward_model
+
+    sizes = {"actor": cfg.actor.num_nodes * cfg.actor.num_gpus_per_node}
+    if cfg.uses_ref:
+        sizes["ref"] = cfg.ref.num_nodes * cfg.ref.num_gpus_per_node
+    if cfg.uses_critic:
+        sizes["critic"] = cfg.critic.num_nodes * cfg.critic.num_gpus_per_node
+    if uses_reward_model(cfg):
+        sizes["reward"] = cfg.reward.num_nodes * cfg.reward.num_gpus_per_node
+    return sizes
+
+
+def plan_from_config(cfg, device: str) -> PlacementPlan:
+    """The plan of an RL config (models, reward model, engines, colocation flags): what a run builds
+    and what ``--train.plan_only`` prints."""
+    v = cfg.vllm
+    return plan_placement(plan_sizes(cfg), device=device, colocate_all=cfg.train.colocate_all,
+                          colocate_actor_ref=cfg.train.colocate_actor_ref,
+                          colocate_critic_reward=cfg.train.colocate_critic_reward,
+                          num_engines=v.num_engines or 0, engine_tp=v.tensor_parallel_size)

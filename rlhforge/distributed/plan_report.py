@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 
 __all__ = ["DTYPE_BYTES", "GIB", "MemoryEstimate", "train_memory", "frozen_memory", "engine_weight_bytes",
-           "count_parameters", "effective_zero_stage", "plan_sizes", "memory_rows", "format_plan", "plan_only"]
+           "count_parameters", "effective_zero_stage", "memory_rows", "format_plan", "plan_only"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GIB = float(2 ** 30)
@@ -111,18 +111,6 @@ def count_parameters(path: str | None, *, value_model: bool = False, lora_rank: 
 def effective_zero_stage(strategy: str, zero_stage: int) -> int:
     """The partitioning a resolved strategy gives: DeepSpeed its stage, FSDP2 full sharding (3), torch none."""
     return {"deepspeed": zero_stage, "fsdp2": 3}.get(strategy, 0)
-
-
-def plan_sizes(cfg) -> dict[str, int]:
-    """Ranks of each model the run places (``num_nodes x num_gpus_per_node``)."""
-    sizes = {"actor": cfg.actor.num_nodes * cfg.actor.num_gpus_per_node}
-    if cfg.uses_ref:
-        sizes["ref"] = cfg.ref.num_nodes * cfg.ref.num_gpus_per_node
-    if cfg.uses_critic:
-        sizes["critic"] = cfg.critic.num_nodes * cfg.critic.num_gpus_per_node
-    if cfg.reward.model_name_or_path and not cfg.reward.remote_url:  # reward model(s); a remote_url wins
-        sizes["reward"] = cfg.reward.num_nodes * cfg.reward.num_gpus_per_node
-    return sizes
 
 
 def model_paths(cfg) -> dict[str, list[str]]:
@@ -245,17 +233,13 @@ def plan_only(cfg, log=print) -> int:
 
     from rlhforge.config.rl_rules import rl_strategy
     from rlhforge.distributed.launch import init_ray, ray_device
-    from rlhforge.distributed.placement import check_resources, plan_placement
+    from rlhforge.distributed.placement import check_resources, plan_from_config
     from rlhforge.distributed.ray_group import create_placement_groups
     from ray.util.placement_group import remove_placement_group
 
     init_ray()
     device = ray_device(cfg.train.device)
-    v = cfg.vllm
-    plan = plan_placement(plan_sizes(cfg), device=device, colocate_all=cfg.train.colocate_all,
-                          colocate_actor_ref=cfg.train.colocate_actor_ref,
-                          colocate_critic_reward=cfg.train.colocate_critic_reward,
-                          num_engines=v.num_engines or 0, engine_tp=v.tensor_parallel_size)
+    plan = plan_from_config(cfg, device)
     available = ray.available_resources()
     check_resources(plan, available)
     text = report(cfg, plan, available=available, strategy=rl_strategy(cfg))

@@ -272,7 +272,8 @@ def test_plan_only_skips_the_checks_that_need_vllm_and_the_hardware(monkeypatch,
 
 
 def test_several_reward_models_are_summed_per_reward_rank(tmp_path):
-    from rlhforge.distributed.plan_report import plan_sizes, report
+    from rlhforge.distributed.placement import plan_sizes
+    from rlhforge.distributed.plan_report import report
 
     d = _folder(tmp_path, "tiny", TINY)
     argv = ["--actor.model_name_or_path", d, "--data.prompt_dataset", "builtin:arithmetic",
