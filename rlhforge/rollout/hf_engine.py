@@ -125,6 +125,9 @@ class HFEngine:
         top_p = torch.tensor([float(sp.top_p) for sp in ps], device=dev)
         top_k = torch.tensor([int(sp.top_k or 0) for sp in ps], device=dev)
         keys = seed_keys([seeds[i] for i in rows]).to(dev)
+        # decided once per batch (a subset of the rows later still samples/filters correctly either way)
+        all_greedy = all(sp.temperature <= 0 for sp in ps)
+        any_filter = any(sp.top_p < 1.0 or (sp.top_k or 0) > 0 for sp in ps)
         max_new = torch.tensor([sp.max_new_tokens for sp in ps], device=dev)
         stop_sets = [sorted(set(sp.stop_token_ids) | set(self.eos_token_ids)) for sp in ps]
         stops = torch.full((len(rows), max(len(s) for s in stop_sets)), -1, dtype=torch.long)
@@ -146,7 +149,8 @@ class HFEngine:
             with self._lock:
                 logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=position,
                                     past_key_values=cache, use_cache=True).logits[:, -1, :].float()
-            tok, logp = sample_batch(logits, temperature[alive], top_p[alive], top_k[alive], keys[alive], t)
+            tok, logp = sample_batch(logits, temperature[alive], top_p[alive], top_k[alive], keys[alive], t,
+                                     all_greedy=all_greedy, any_filter=any_filter)
             out_tokens[alive, t] = torch.where(active, tok, out_tokens[alive, t])
             out_logps[alive, t] = torch.where(active, logp, out_logps[alive, t])
             lengths[alive] = torch.where(active, t + 1, lengths[alive])

@@ -63,32 +63,34 @@ def counter_uniform(keys: Tensor, step: int, vocab: int) -> Tensor:
     return ((h >> 9).float() + 0.5) * (1.0 / 2**23)
 
 
-def filter_logits_batch(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+def filter_logits_batch(logits: Tensor, top_p: Tensor, top_k: Tensor, *, any_filter: bool | None = None) -> Tensor:
     """Mask (``-inf``) tokens outside each row's top-k, then outside its top-p nucleus. [B, V].
 
     ``top_k`` [B] int (<= 0 or >= V: all), ``top_p`` [B] float (>= 1: all). Rows without either
     are returned unchanged; top-p keeps tokens until the mass before them reaches ``top_p``.
+    ``any_filter``: whether some row filters at all, when the caller knows (the decode loop decides it
+    once per batch instead of a device -> host sync per step); None: found from the tensors.
     """
     vocab = logits.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
-    if not bool(use_k.any()) and not bool(use_p.any()):
+    if any_filter is None:
+        any_filter = bool(use_k.any()) or bool(use_p.any())
+    if not any_filter:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    if bool(use_k.any()):
-        kth = sorted_logits.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])  # [B, 1]
-        drop = use_k[:, None] & (sorted_logits < kth)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    if bool(use_p.any()):
-        probs = torch.softmax(sorted_logits, dim=-1)
-        remove = (probs.cumsum(-1) - probs) >= top_p[:, None]
-        remove[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(remove & use_p[:, None], float("-inf"))
+    # rows without a top-k (use_k False) or a top-p (use_p False) keep every token
+    kth = sorted_logits.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])  # [B, 1]
+    sorted_logits = sorted_logits.masked_fill(use_k[:, None] & (sorted_logits < kth), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    remove = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove & use_p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, step: int
-                 ) -> tuple[Tensor, Tensor]:
+def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, step: int, *,
+                 all_greedy: bool | None = None, any_filter: bool | None = None) -> tuple[Tensor, Tensor]:
     """One token per row and its log-prob, all rows at once.
 
     Args:
@@ -97,6 +99,8 @@ def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
         top_p, top_k: [B] per-row filters (see :func:`filter_logits_batch`); greedy rows ignore them.
         keys: [B] int64 per-request keys (:func:`seed_keys`).
         step: the response position being sampled (0 for the first generated token).
+        all_greedy, any_filter: known once per batch by the decode loop (no per-step host sync);
+            None: found from the tensors.
 
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)`` with log-probs of ``log_softmax(logits / T)``.
@@ -106,8 +110,10 @@ def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
     scaled = logits / scale[:, None]
     logp_all = torch.log_softmax(scaled, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
-    if not bool(greedy.all()):
-        filtered = filter_logits_batch(scaled, top_p, top_k)
+    if all_greedy is None:
+        all_greedy = bool(greedy.all())
+    if not all_greedy:
+        filtered = filter_logits_batch(scaled, top_p, top_k, any_filter=any_filter)
         gumbel = -torch.log(-torch.log(counter_uniform(keys.to(logits.device), step, logits.shape[-1])))
         sampled = torch.argmax(filtered + gumbel, dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
