@@ -218,7 +218,7 @@ def run(cfg: RLConfig) -> Path:
         if not isinstance(trainer.actor, InProcessGroup):
             from rlhforge.distributed.launch import close_groups
 
-            close_groups(trainer.actor, trainer.ref, trainer.critic, getattr(trainer, "reward_group", None))
+            close_groups(trainer.actor, trainer.ref, trainer.critic, trainer.reward_group)
     return Path(cfg.ckpt.output_dir)
 
 

@@ -205,10 +205,11 @@ class EngineActors:
         self._source = actor
         fp = self.fingerprint_syncs
         live = [e for e in self.engines if e.alive]
+        actor_side = None  # the actor ranks' calls of the same transfer, waited on with the engines'
         if self.sync_with_ray:
             refs = actor.submit("engine_state_dict")  # every rank gathers; rank 0's result is the state
             pairs = [(e, e.handle.load_state.remote(refs[0], fp)) for e in live]
-            actor.wait(refs, "engine_state_dict")
+            actor_side = (actor, refs)
         elif self.ipc_ranks is not None:
             if self._ipc_members != tuple(e.handle for e in live):
                 targets = [(e.handle, self.ipc_ranks[e.index]) for e in live]
@@ -221,8 +222,8 @@ class EngineActors:
                 self._open_group(actor, live)
             sends = actor.submit("send_weights")
             pairs = [(e, e.handle.receive_weights.remote(fp)) for e in live]
-            self._wait(pairs, "receive_weights", actor=(actor, sends))
-        self.last_fingerprints = self._wait(pairs, "weight sync")
+            actor_side = (actor, sends)
+        self.last_fingerprints = self._wait(pairs, "weight sync", actor=actor_side)
         self.synced_versions += 1
 
     def _open_group(self, actor, live: list[_Engine]) -> None:

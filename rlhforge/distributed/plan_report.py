@@ -24,6 +24,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from rlhforge.rewards.sources import reward_model_paths
+
 __all__ = ["DTYPE_BYTES", "GIB", "MemoryEstimate", "train_memory", "frozen_memory", "engine_weight_bytes",
            "count_parameters", "effective_zero_stage", "memory_rows", "format_plan", "plan_only"]
 
@@ -116,7 +118,7 @@ def effective_zero_stage(strategy: str, zero_stage: int) -> int:
 def model_paths(cfg) -> dict[str, list[str]]:
     """Model -> its folder(s): every reward rank holds all the comma-separated reward models."""
     actor = cfg.actor.model_name_or_path
-    rewards = [p.strip() for p in (cfg.reward.model_name_or_path or "").split(",") if p.strip()]
+    rewards = reward_model_paths(cfg.reward.model_name_or_path)
     return {"actor": [actor], "ref": [actor], "reward": rewards,
             "critic": [cfg.critic.model_name_or_path or (rewards[0] if rewards else actor)]}
 

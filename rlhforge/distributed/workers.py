@@ -381,7 +381,9 @@ class CriticWorker(_TrainableWorker):
         from rlhforge.models.reward import load_reward_model
 
         self.cfg, self.tokenizer = cfg, tokenizer
-        first_rm = (cfg.reward.model_name_or_path or "").split(",")[0].strip()  # OpenRLHF: the first reward model
+        from rlhforge.rewards.sources import reward_model_paths
+
+        first_rm = (reward_model_paths(cfg.reward.model_name_or_path) or [None])[0]  # OpenRLHF: the first reward model
         path = cfg.critic.model_name_or_path or first_rm or cfg.actor.model_name_or_path
         plan = _plan(cfg.train.micro_batch_size, grad_accum, max(total_updates, 1))
         self.strategy = build_strategy(cfg.ds, cfg.critic.optim_config(), cfg.train, plan)

@@ -277,7 +277,6 @@ class RewardModelSource:
 
     def __init__(self, scorer, paths, *, remote: bool = False):
         self.scorer, self.paths, self.remote = scorer, list(paths), remote
-        self.group = getattr(scorer, "group", None)
         where = " (Ray reward group)" if remote else ""
         self.name = (f"reward model {self.paths[0]}{where}" if len(self.paths) == 1
                      else f"reward models {', '.join(self.paths)} (summed){where}")

@@ -93,6 +93,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         self.max_new_tokens = cfg.rollout.max_new_tokens or max(1, cfg.data.max_len - max(len(p.ids) for p in prompts))
         self.gamma = self._gamma()
         self.loss_spec = self._loss_spec()  # kl_loss_coef is set from the KL controller at every step
+        self.old_from_update = False  # this step's pi_old comes from the update's forward (make_experience)
         self._loops = threading.local()  # one asyncio loop per thread (the async generator has its own)
         self.engine_lock = threading.Lock()  # generation vs weight sync (async mode)
 
@@ -402,7 +403,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         actor_frozen = self.critic is not None and self.state.global_step < cfg.critic.freezing_steps
         sums: dict[str, list[float]] = {}
         spec = dataclasses.replace(self.loss_spec, kl_loss_coef=self._kl_loss_coef(),  # this step's beta
-                                   old_from_this_forward=getattr(self, "old_from_update", False))
+                                   old_from_this_forward=self.old_from_update)
         sleep = cfg.ds.enable_sleep
         models = [g for g in (self.critic, self.actor) if g is not None]
         if sleep:
