@@ -191,6 +191,8 @@ class Episode:
         self.budget = sampling.max_new_tokens
         self.action_ranges: list[tuple[int, int]] = []
         self.logprobs: list[float] = []
+        self.routing = None
+        """MoE routing replay: the engine's expert choices per token so far (earliest record wins)."""
         self.turns = 0
         self.env_tokens = 0
         self.cut = False
@@ -235,6 +237,7 @@ class Episode:
         if ids:
             self.action_ranges.append((start, start + len(ids)))
         self.logprobs.extend(float(x) for x in out.logprobs)
+        self.routing = merge_routing(self.routing, out.extra.get("routed_experts"))
         self.turns += 1
         self.last_finish = out.finish_reason
         return Action(self.ctx.decode(ids, skip_special_tokens=True), ids, list(out.logprobs), out.finish_reason)
@@ -257,7 +260,19 @@ class Episode:
             rollout_logprobs=list(self.logprobs), finish_reason="length" if self.truncated else "stop",
             label=r.label, datasource=r.datasource, prompt_index=r.prompt_index, sample_index=r.sample_index,
             extra={"agent_turns": float(self.turns), "agent_env_tokens": float(self.env_tokens)},
+            routed_experts=self.routing,
         )
+
+
+def merge_routing(old, new):
+    """One routing record over a growing token sequence: where both calls computed a token, the earlier
+    record wins (it produced the earlier action, and with a prefix cache the later call reused it)."""
+    if new is None or old is None:
+        return new if old is None else old
+    merged = new.clone()
+    n = min(len(old), len(new))
+    merged[:n] = old[:n].where(old[:n] >= 0, new[:n])
+    return merged
 
 
 class EpisodeContext:

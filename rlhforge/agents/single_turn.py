@@ -48,6 +48,7 @@ class SingleTurnExecutor:
                 action_ranges=[(n_prompt, n_prompt + len(out.token_ids))] if out.token_ids else [],
                 rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason, label=req.label,
                 datasource=req.datasource, prompt_index=req.prompt_index, sample_index=req.sample_index,
+                routed_experts=out.extra.get("routed_experts"),
             ))
         return trajs
 

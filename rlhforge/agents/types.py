@@ -42,6 +42,9 @@ class Trajectory:
     trainer drops the whole prompt group (:func:`rlhforge.agents.episode.drop_failed_groups`)."""
     error: str | None = None
     """What went wrong (with ``drop_reason="env_error"``)."""
+    routed_experts: Any = None
+    """MoE routing replay: the experts the engine chose for each token, an int tensor ``[len(token_ids),
+    MoE layers, top_k]`` (-1: no record), or None (:mod:`rlhforge.models.routing`)."""
 
     @property
     def truncated(self) -> bool:

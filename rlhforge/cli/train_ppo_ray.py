@@ -171,9 +171,11 @@ def build_trainer(cfg: RLConfig):
         # the driver's own copy of the base policy, synced from the actor after each step: a ZeRO-3 / FSDP2
         # module holds only a shard of each weight, and LoRA adapters arrive merged into the base weights
         engine = HFEngine.from_pretrained(cfg.actor.model_name_or_path, tokenizer, device=device,
-                                          batch_size=cfg.rollout.generate_batch_size)
+                                          batch_size=cfg.rollout.generate_batch_size,
+                                          record_routing=cfg.train.routing_replay)
     else:
-        engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size)
+        engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size,
+                                     record_routing=cfg.train.routing_replay)
     out = Path(cfg.ckpt.output_dir)
     save_yaml(cfg, out / "config.yaml")
     print(f"[rlhforge] rl: {cfg.algo.advantage.estimator} / {cfg.actor.policy_loss_type}: {len(prompts)} prompts"

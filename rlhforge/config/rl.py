@@ -312,6 +312,10 @@ class RLTrainConfig:
     plan_only: bool = False
     """Ray: build the placement groups, print the plan (bundles, GPU fractions, memory per device for
     every model and engine) and exit 0 without loading any weights. rlhforge-specific."""
+    routing_replay: bool = False
+    """MoE: the actor's old-log-prob and training forwards reuse the experts the rollout engine chose
+    for every token (the engine records them; docs/models.md). HF engine; vLLM where it returns
+    routed experts (GPU). rlhforge-specific (veRL/slime's rollout routing replay; OpenRLHF has none)."""
     enable_ema: bool = False
     """EMA of the actor weights (not built yet: refused)."""
     ema_beta: float = 0.992

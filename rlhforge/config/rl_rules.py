@@ -71,6 +71,22 @@ def _validate_reward_client(cfg) -> None:
         raise ConfigError(f"--reward.retry_backoff_s must be >= 0 (got {r.retry_backoff_s})")
 
 
+def _validate_routing_replay(cfg) -> None:
+    """``--train.routing_replay`` (the MoE check itself runs when the actor is loaded)."""
+    if not cfg.train.routing_replay:
+        return
+    if cfg.actor.gradient_checkpointing_enable:
+        raise ConfigError("--train.routing_replay cannot be combined with --actor.gradient_checkpointing_enable: "
+                          "the forward recomputed during backward would route freely, not with the replayed experts")
+    if (cfg.vllm.num_engines or 0) > 0:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--train.routing_replay with --vllm.num_engines > 0 needs vLLM's routed-experts output, "
+                              "which only its GPU model runner (V2, Triton) has; vLLM's CPU build cannot record "
+                              "routing: use the HF engine (--vllm.num_engines 0)")
+
+
 def validate_rl(cfg) -> None:
     """Start-up checks with messages that show the value, the rule and the fix."""
     if cfg.actor.model_name_or_path is None:
@@ -88,6 +104,7 @@ def validate_rl(cfg) -> None:
                 f"--{section}.{name} {value} needs {what}, which rlhforge does not have yet (leave it at {default})"
             )
     _validate_vllm(cfg)
+    _validate_routing_replay(cfg)
     _validate_distributed(cfg)
     _validate_reward_client(cfg)
     t = cfg.train

@@ -340,7 +340,7 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
                       seed=cfg.train.seed + i, tensor_parallel_size=v.tensor_parallel_size,
                       gpu_memory_utilization=v.gpu_memory_utilization, enable_prefix_caching=v.enable_prefix_caching,
                       enforce_eager=v.enforce_eager, enable_sleep=v.enable_sleep, bucket_mb=v.sync_bucket_mb,
-                      in_process=cpu or v.tensor_parallel_size == 1)
+                      in_process=cpu or v.tensor_parallel_size == 1, record_routing=cfg.train.routing_replay)
         engine_env = dict(env)
         one_device = v.tensor_parallel_size == 1
         if not one_device:  # vLLM's Ray executor places its TP workers on the bundles named here

@@ -20,6 +20,8 @@ A micro-batch (:func:`collate_experience`) is a dict of tensors, padded or packe
 ``returns``        same             per-token returns (critic targets)
 ``is_weights``     same             rollout-vs-trainer importance weights (ones when off)
 ``seq_lens``       list[int]        packed layout only
+``routed_experts`` [B, T, L, K] / [1, N, L, K]  int16, only with ``routing=True`` (MoE routing replay;
+                                    -1 = no record, on padding too)
 =================  ==============  ======================================================
 """
 
@@ -47,6 +49,8 @@ class ExperienceSample:
     """Shaped scalar reward."""
     score: float
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    routing: torch.Tensor | None = None
+    """MoE routing replay: the rollout's experts per token, ``[len, layers, top_k]`` (-1: none)."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -64,8 +68,18 @@ def samples_from_trajectories(trajs: Sequence[Trajectory], rewards: Sequence[flo
             rollout[positions] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
         s = ExperienceSample(list(t.token_ids), mask, float(r), float(t.score if t.score is not None else r))
         s.tensors["rollout_logprobs"] = rollout
+        if t.routed_experts is not None:
+            s.routing = _fit_routing(torch.as_tensor(t.routed_experts), len(t.token_ids))
         out.append(s)
     return out
+
+
+def _fit_routing(routing: torch.Tensor, length: int) -> torch.Tensor:
+    """A routing record cut or extended (-1) to ``length`` tokens."""
+    if len(routing) >= length:
+        return routing[:length].to(torch.int16)
+    extra = torch.full((length - len(routing), *routing.shape[1:]), -1, dtype=torch.int16)
+    return torch.cat([routing.to(torch.int16), extra])
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:
@@ -82,9 +96,10 @@ def unpad_rows(x: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
 
 
 def collate_experience(samples: Sequence[ExperienceSample], pad_id: int, packed: bool,
-                       fields: Sequence[str] = TOKEN_FIELDS) -> dict:
+                       fields: Sequence[str] = TOKEN_FIELDS, routing: bool = False) -> dict:
     """A micro-batch (layout in the module docstring). Missing per-token fields become zeros
-    (``is_weights``: ones)."""
+    (``is_weights``: ones). ``routing``: add ``routed_experts`` when every sample has a record (the
+    actor's passes under ``--train.routing_replay``; never the reference's)."""
     from rlhforge.data.packing import collate_packed, collate_padded
 
     items = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in samples]
@@ -96,6 +111,15 @@ def collate_experience(samples: Sequence[ExperienceSample], pad_id: int, packed:
             batch[name] = torch.cat(rows)[None, :]
         else:
             batch[name] = pad_rows(rows, batch["input_ids"].shape[1])
+    if routing and samples and all(s.routing is not None for s in samples):
+        recs = [s.routing for s in samples]
+        if packed:
+            batch["routed_experts"] = torch.cat(recs)[None]
+        else:
+            out = torch.full((len(recs), batch["input_ids"].shape[1], *recs[0].shape[1:]), -1, dtype=torch.int16)
+            for i, r in enumerate(recs):
+                out[i, : len(r)] = r
+            batch["routed_experts"] = out
     return batch
 
 

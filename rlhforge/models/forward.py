@@ -236,7 +236,8 @@ def token_logprobs(
     Args:
         model: an HF causal LM (anything returning ``.logits`` [B, T, V]).
         batch: a padded or packed batch (module docstring); only ``input_ids``,
-            ``attention_mask`` (padded) and ``position_ids`` are read.
+            ``attention_mask`` (padded), ``position_ids`` and ``routed_experts`` (MoE routing
+            replay, :mod:`rlhforge.models.routing`) are read.
         temperature: logits are divided by it (match the sampling temperature).
         block_mask: packed batches only. ``"auto"`` relies on transformers' packed-sequence
             detection where it exists; ``"explicit"`` always passes a 4-D block-diagonal mask
@@ -261,7 +262,8 @@ def token_logprobs(
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "use_cache": False}
-    logits = model(**kwargs).logits
+    with _routing_replay(model, batch, rows):
+        logits = model(**kwargs).logits
     ids = kwargs["input_ids"]
     # logits[:, t] predicts ids[:, t + 1]
     shifted = _logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature)
@@ -272,6 +274,18 @@ def token_logprobs(
             logits = rows.to_packed(logits)
     logprobs = logprobs * prediction_mask(batch).to(logprobs.dtype)
     return (logprobs, logits) if return_logits else logprobs
+
+
+def _routing_replay(model, batch: Mapping[str, Any], rows: PackedRows | None):
+    """Replay the rollout's MoE routing when the batch carries one (``routed_experts``)."""
+    import contextlib
+
+    routing = batch.get("routed_experts")
+    if routing is None:
+        return contextlib.nullcontext()
+    from rlhforge.models.routing import replay_routing, routing_for_rows
+
+    return replay_routing(model, routing_for_rows(routing, rows))
 
 
 def _model_dtype(model) -> torch.dtype:

@@ -18,6 +18,7 @@ computed with the old ones, as with vLLM's pause/resume).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from typing import Iterable, Sequence
@@ -40,7 +41,7 @@ class HFEngine:
     """In-process ``GenerationEngine`` over an HF causal LM."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int],
-                 batch_size: int = 64):
+                 batch_size: int = 64, record_routing: bool = False):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -51,21 +52,25 @@ class HFEngine:
         self.device = next(model.parameters()).device
         self._lock = threading.RLock()
         self.weight_updates = 0
+        self.record_routing = record_routing
+        """MoE: put each output's expert choices in ``extra["routed_experts"]`` ([prompt + response tokens,
+        MoE layers, top_k] int16, -1 on the last token; :mod:`rlhforge.models.routing`)."""
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64) -> "HFEngine":
+    def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64, record_routing: bool = False
+                   ) -> "HFEngine":
         """An engine with its own copy of ``model`` (the trainer's unwrapped module)."""
         return cls(copy.deepcopy(model), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   batch_size=batch_size)
+                   batch_size=batch_size, record_routing=record_routing)
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer, device: str | torch.device = "cpu", batch_size: int = 64,
-                        dtype: torch.dtype = torch.float32) -> "HFEngine":
+                        dtype: torch.dtype = torch.float32, record_routing: bool = False) -> "HFEngine":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         return cls(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   batch_size=batch_size)
+                   batch_size=batch_size, record_routing=record_routing)
 
     # -- the protocol -----------------------------------------------------------------------------
     async def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams] | SamplingParams
@@ -145,10 +150,13 @@ class HFEngine:
         cache = DynamicCache()
         position = (attn.cumsum(-1) - 1).clamp(min=0)
         step_ids = ids
+        route = _RouteLog(self.model, len(rows), width, steps) if self.record_routing else None
         for t in range(steps):
-            with self._lock:
+            with self._lock, (route.recorder if route else contextlib.nullcontext()):
                 logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=position,
                                     past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+            if route is not None:
+                route.add(t, alive)
             tok, logp = sample_batch(logits, temperature[alive], top_p[alive], top_k[alive], keys[alive], t,
                                      all_greedy=all_greedy, any_filter=any_filter)
             out_tokens[alive, t] = torch.where(active, tok, out_tokens[alive, t])
@@ -173,4 +181,36 @@ class HFEngine:
         for r, i in enumerate(rows):
             k = lengths_l[r]
             outputs[i] = GenerationOutput(tokens[r][:k], logps[r][:k], "stop" if stopped_l[r] else "length")
+            if route is not None:
+                outputs[i].extra["routed_experts"] = route.row(r, len(prompts[i]), k)
         return outputs
+
+
+class _RouteLog:
+    """The experts each router chose for every token a batch fed through the model: the prefill (the
+    left-padded prompts) and each decoding step's one token per running row."""
+
+    def __init__(self, model, n_rows: int, width: int, steps: int):
+        from rlhforge.models.routing import record_routing, routers
+
+        found = routers(model)
+        if not found:
+            raise ValueError("routing replay needs an MoE model: this engine's model has no top-k router")
+        self.recorder = record_routing(model)
+        self.width = width
+        self.log = torch.full((n_rows, width + steps, len(found), int(found[0].top_k)), -1, dtype=torch.int16)
+
+    def add(self, t: int, alive: torch.Tensor) -> None:
+        got = self.recorder.last().cpu()
+        self.recorder.calls.clear()
+        if t == 0:
+            self.log[:, : self.width] = got.view(self.log.shape[0], self.width, *got.shape[1:])
+        else:  # step t fed the token sampled at step t - 1 (response position t - 1)
+            self.log[alive.cpu(), self.width + t - 1] = got
+
+    def row(self, r: int, prompt_len: int, n_new: int) -> torch.Tensor:
+        """[prompt_len + n_new, layers, top_k]: the last token was never fed (-1)."""
+        out = self.log[r, self.width - prompt_len: self.width + n_new].clone()
+        if n_new:
+            out[-1] = -1
+        return out

@@ -99,10 +99,15 @@ class VLLMEngine:
                  max_model_len: int = 2048, seed: int = 0, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
                  enforce_eager: bool = False, enable_sleep: bool = False, in_process: bool | None = None,
-                 bucket_mb: float = 256, max_num_seqs: int | None = None, **llm_kwargs):
+                 bucket_mb: float = 256, max_num_seqs: int | None = None, record_routing: bool = False,
+                 **llm_kwargs):
         import vllm
 
         cpu = vllm_is_cpu_build()
+        if record_routing and cpu:
+            raise ValueError("routing replay needs vLLM's routed-experts output, which only its GPU model runner "
+                             "(V2, Triton) has; vLLM's CPU build cannot record routing")
+        self.record_routing = bool(record_routing)
         if enable_sleep and cpu:
             raise ValueError("vLLM sleep mode (enable_sleep) needs a GPU: vLLM's CPU build has none")
         if cpu and tensor_parallel_size != 1:
@@ -122,6 +127,9 @@ class VLLMEngine:
         """Outstanding work (prompt + max new tokens of requests being generated) - for the router."""
 
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.in_process else "1"}
+        if record_routing:  # GPU only (refused above on CPU); not run here: no GPU in CI
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            llm_kwargs["enable_return_routed_experts"] = True
         if cpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=dtype, max_model_len=self.max_model_len,
@@ -316,7 +324,22 @@ class VLLMEngine:
         extra = {}
         if sp.temperature > 0 and (sp.top_p < 1.0 or (sp.top_k is not None and sp.top_k > 0)):
             extra["logprobs_renormalized"] = True
+        if self.record_routing:
+            extra["routed_experts"] = _routing_record(comp.routed_experts, len(out.prompt_token_ids) + len(ids))
         return GenerationOutput(ids, logps, comp.finish_reason, extra)
+
+
+def _routing_record(routed, total: int) -> torch.Tensor:
+    """vLLM's ``routed_experts`` ([tokens it computed, layers, top_k]) as rlhforge's record of ``total``
+    tokens (prompt + response; -1 where vLLM computed nothing: the last token)."""
+    if routed is None:
+        raise RuntimeError("vLLM returned no routed experts (enable_return_routed_experts is on)")
+    rec = torch.as_tensor(routed).to(torch.int16)
+    if len(rec) not in (total - 1, total):
+        raise RuntimeError(f"vLLM returned routed experts for {len(rec)} tokens of a {total}-token sequence")
+    out = torch.full((total, *rec.shape[1:]), -1, dtype=torch.int16)
+    out[: total - 1] = rec[: total - 1]
+    return out
 
 
 class EngineRouter:
@@ -401,6 +424,7 @@ def build_vllm_engines(cfg, tokenizer, max_model_len: int):
             seed=cfg.train.seed + i, tensor_parallel_size=v.tensor_parallel_size,
             gpu_memory_utilization=v.gpu_memory_utilization, enable_prefix_caching=v.enable_prefix_caching,
             enforce_eager=v.enforce_eager, enable_sleep=v.enable_sleep, bucket_mb=v.sync_bucket_mb,
+            record_routing=cfg.train.routing_replay,
         )
         for i in range(v.num_engines)
     ]
