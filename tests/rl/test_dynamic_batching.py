@@ -1,0 +1,189 @@
+"""Token-budget dynamic batching in RL (--train.dynamic_batch_enable).
+
+The actor's and critic's steps (real workers on the plain-torch strategy) give the same loss, metrics
+and gradients (1e-5, float32) with fixed micro-batches and with token-budget ones, in token-mean and
+seq-mean modes and for GSPO, with fewer forward passes and less computed padding (counted by a
+forward pre-hook on the model, not timed); the no-grad passes return the same per-sample values in
+input order. A short RL run through the real CLI trains with the flags on and logs metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from rlhforge.config.parsing import from_dict
+from rlhforge.config.rl import RLConfig
+from rlhforge.distributed.experience import ExperienceSample
+from rlhforge.distributed.workers import ActorWorker, CriticWorker, PolicyLossSpec
+
+# mixed lengths, long and short alternating: fixed pairs pad every short sample up to a long one
+LENGTHS = [60, 6, 55, 8, 50, 10, 12, 7]
+BUDGET = 128  # first-fit decreasing: 60+55+12 | 50+10+8+7+6 -> 2 micro-batches instead of 4 pairs
+
+
+def _cfg(model_dir, **over) -> RLConfig:
+    base = {"actor.model_name_or_path": str(model_dir), "data.prompt_dataset": "builtin:arithmetic",
+            "reward.remote_url": "builtin:arithmetic", "rollout.batch_size": 8, "train.batch_size": 8,
+            "train.micro_batch_size": 2, "ds.param_dtype": "fp32", "train.device": "cpu",
+            "ds.packing_samples": True, "train.dynamic_batch_enable": True, "train.max_tokens_per_gpu": BUDGET}
+    cfg = from_dict(RLConfig, {**base, **over})
+    cfg.validate()
+    return cfg
+
+
+def _samples(seed: int = 0) -> list[ExperienceSample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in LENGTHS:
+        prompt = max(2, n // 3)
+        mask = [0] * prompt + [1] * (n - prompt)
+        s = ExperienceSample(torch.randint(3, 90, (n,), generator=g).tolist(), mask, reward=0.0, score=0.0)
+        noise = lambda: torch.randn(n, generator=g) * torch.tensor(mask, dtype=torch.float32)  # noqa: E731
+        s.tensors.update(old_logprobs=-4.0 + 0.3 * noise(), ref_logprobs=-4.0 + 0.3 * noise(),
+                         rollout_logprobs=-4.0 + 0.3 * noise(), advantages=noise(), values=0.3 * noise(),
+                         returns=noise())
+        out.append(s)
+    return out
+
+
+class _Counter:
+    """Forward calls and the tokens each one computes (padding included), from a pre-hook."""
+
+    def __init__(self, module):
+        self.passes, self.computed = 0, 0
+        self.handle = module.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, _module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.passes += 1
+        self.computed += ids.numel()
+
+
+def _step(worker, samples, *args, fixed_padded: bool):
+    """One train_step; returns (metrics, gradients, forward passes, computed tokens); weights restored."""
+    module = worker.strategy.module
+    start = {k: v.clone() for k, v in module.state_dict().items()}
+    worker.packed = not fixed_padded
+    worker.train_tokens = None if fixed_padded else BUDGET
+    grads: dict = {}
+    step = worker.strategy.step
+
+    def recording_step():
+        grads.update({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
+        return step()
+
+    worker.strategy.step = recording_step
+    counter = _Counter(module)
+    try:
+        metrics = worker.train_step(samples, *args)
+    finally:
+        counter.handle.remove()
+        worker.strategy.step = step
+        module.load_state_dict(start)
+    return metrics, grads, counter.passes, counter.computed
+
+
+def _assert_same(a, b, keys):
+    (ma, ga, _, _), (mb, gb, _, _) = a, b
+    for key in keys:
+        assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    cfg = _cfg(tiny_model_dir, **{"rollout.max_tokens_per_gpu": 200})
+    return ActorWorker(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), total_updates=10, grad_accum=4)
+
+
+def test_budgets_come_from_the_config(tiny_model_dir):
+    assert _cfg(tiny_model_dir).token_budgets() == (BUDGET, BUDGET)  # passes: the train value
+    assert _cfg(tiny_model_dir, **{"rollout.max_tokens_per_gpu": 300}).token_budgets() == (BUDGET, 300)
+    assert _cfg(tiny_model_dir, **{"train.dynamic_batch_enable": False}).token_budgets() == (None, None)
+
+
+@pytest.mark.parametrize("agg, loss_type", [("token_mean", "ppo"), ("seq_mean_token_mean", "ppo"),
+                                            ("seq_mean_token_mean", "gspo")])
+def test_actor_step_equals_fixed_micro_batches(actor, agg, loss_type):
+    kwargs = {"eps_low": 0.2, "eps_high": 0.2} if loss_type == "ppo" else {}
+    spec = PolicyLossSpec(loss_type=loss_type, loss_kwargs=kwargs, agg_mode=agg, entropy_coef=0.01,
+                          kl_loss_coef=0.1)
+    samples = _samples()
+    fixed = _step(actor, samples, spec, fixed_padded=True)
+    dynamic = _step(actor, samples, spec, fixed_padded=False)
+    _assert_same(fixed, dynamic, ["policy_loss", "kl_loss", "entropy", "approx_kl", "clip_frac"])
+    assert abs(fixed[0]["policy_loss"]) > 1e-4 and fixed[0]["kl_loss"] > 0  # real, non-zero terms
+    # fewer passes (4 pairs -> 2 budget micro-batches) and less computed padding
+    real = sum(LENGTHS)
+    assert (fixed[2], dynamic[2]) == (4, 2)
+    assert fixed[3] == 2 * (60 + 55 + 50 + 12)  # pairs padded to their longer sample: 354 tokens for 208
+    assert real <= dynamic[3] < fixed[3]
+
+
+def test_actor_logprob_pass_equals_fixed_micro_batches(actor):
+    samples = _samples(1)
+    actor.packed, actor.pass_tokens = False, None
+    counter = _Counter(actor.strategy.module)
+    fixed = actor.logprobs(samples, 2, 1.0)
+    passes_fixed = counter.passes
+    actor.packed, actor.pass_tokens = True, 200  # --rollout.max_tokens_per_gpu 200 -> 2 passes
+    dynamic = actor.logprobs(samples, 2, 1.0)
+    counter.handle.remove()
+    assert (passes_fixed, counter.passes - passes_fixed) == (4, 2)
+    for s, a, b in zip(samples, fixed, dynamic):  # input order kept although the groups are not consecutive
+        assert a.shape == b.shape == (len(s),)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert float(torch.cat(fixed).sum()) < -100  # real log-probs of a random model
+
+
+def test_critic_step_and_values_equal_fixed_micro_batches(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    cfg = _cfg(tiny_model_dir, **{"algo.advantage.estimator": "gae"})
+    critic = CriticWorker(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), total_updates=10, grad_accum=4)
+    samples = _samples(2)
+    fixed = _step(critic, samples, 0.2, fixed_padded=True)
+    dynamic = _step(critic, samples, 0.2, fixed_padded=False)
+    _assert_same(fixed, dynamic, ["value_loss", "clip_frac", "values_mean"])
+    assert fixed[0]["value_loss"] > 1e-3 and (fixed[2], dynamic[2]) == (4, 2)
+    critic.packed, critic.pass_tokens = False, None
+    a = critic.values(samples, 2)
+    critic.packed, critic.pass_tokens = True, BUDGET
+    b = critic.values(samples, 2)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+
+
+def test_rl_cli_trains_with_dynamic_batching(tiny_model_dir, tmp_path):
+    """Two GRPO steps through the CLI, fixed micro-batches (2 x 2 samples, padded) vs one token-budget
+    micro-batch (packed): same first step (same rollout, same weights), the budget run logs 1 pass."""
+    from rlhforge.cli.train_ppo_ray import main
+    from tests.rl.helpers import metrics, rl_args, write_reward
+
+    reward = write_reward(tmp_path / "reward.py")
+    common = ["--reward.remote_url", reward, "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss"]
+    runs = {}
+    for name, extra in {"fixed": [], "budget": ["--ds.packing_samples", "--train.dynamic_batch_enable",
+                                                 "--train.max_tokens_per_gpu", "4096",
+                                                 "--rollout.max_tokens_per_gpu", "96"]}.items():
+        out = tmp_path / name
+        assert main(rl_args(tiny_model_dir, out, *common, *extra, steps=2)) == 0
+        runs[name] = [r for r in metrics(out) if "actor/policy_loss" in r]
+        assert len(runs[name]) == 2 and all(r["actor/grad_norm"] > 0 for r in runs[name])
+    fixed, budget = runs["fixed"][0], runs["budget"][0]
+    assert (fixed["actor/micro_batches"], budget["actor/micro_batches"]) == (2.0, 1.0)
+    assert budget["rollout/reward_mean"] == fixed["rollout/reward_mean"]  # the same rollout
+    for key in ("actor/policy_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert budget[key] == pytest.approx(fixed[key], rel=1e-4, abs=1e-6), key
+
+
+def test_dynamic_batching_needs_packing(tiny_model_dir):
+    from rlhforge.config.parsing import ConfigError
+
+    with pytest.raises(ConfigError, match="--train.dynamic_batch_enable needs --ds.packing_samples"):
+        _cfg(tiny_model_dir, **{"ds.packing_samples": False})
