@@ -4,21 +4,23 @@ The actor's and critic's steps (real workers on the plain-torch strategy) give t
 and gradients (1e-5, float32) with fixed micro-batches and with token-budget ones, in token-mean and
 seq-mean modes and for GSPO, with fewer forward passes and less computed padding (counted by a
 forward pre-hook on the model, not timed); the no-grad passes return the same per-sample values in
-input order. A short RL run through the real CLI trains with the flags on and logs metrics.
+input order. Two gloo ranks (DDP, ZeRO-2, ZeRO-3; tests/rl/dynamic_batch_worker.py) agree on the
+number of passes and give the one-rank gradient. Two short RL runs through the real CLI (fixed vs
+token budget) train, log ``actor/micro_batches`` and match on their first step.
 """
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from rlhforge.config.parsing import from_dict
 from rlhforge.config.rl import RLConfig
-from rlhforge.distributed.experience import ExperienceSample
 from rlhforge.distributed.workers import ActorWorker, CriticWorker, PolicyLossSpec
 
-# mixed lengths, long and short alternating: fixed pairs pad every short sample up to a long one
-LENGTHS = [60, 6, 55, 8, 50, 10, 12, 7]
+from tests.rl.dynamic_batch_worker import LENGTHS, experience_samples as _samples
+
+# LENGTHS: mixed, long and short alternating: fixed pairs pad every short sample up to a long one
 BUDGET = 128  # first-fit decreasing: 60+55+12 | 50+10+8+7+6 -> 2 micro-batches instead of 4 pairs
 
 
@@ -30,21 +32,6 @@ def _cfg(model_dir, **over) -> RLConfig:
     cfg = from_dict(RLConfig, {**base, **over})
     cfg.validate()
     return cfg
-
-
-def _samples(seed: int = 0) -> list[ExperienceSample]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in LENGTHS:
-        prompt = max(2, n // 3)
-        mask = [0] * prompt + [1] * (n - prompt)
-        s = ExperienceSample(torch.randint(3, 90, (n,), generator=g).tolist(), mask, reward=0.0, score=0.0)
-        noise = lambda: torch.randn(n, generator=g) * torch.tensor(mask, dtype=torch.float32)  # noqa: E731
-        s.tensors.update(old_logprobs=-4.0 + 0.3 * noise(), ref_logprobs=-4.0 + 0.3 * noise(),
-                         rollout_logprobs=-4.0 + 0.3 * noise(), advantages=noise(), values=0.3 * noise(),
-                         returns=noise())
-        out.append(s)
-    return out
 
 
 class _Counter:
@@ -126,7 +113,7 @@ def test_actor_step_equals_fixed_micro_batches(actor, agg, loss_type):
 
 
 def test_actor_logprob_pass_equals_fixed_micro_batches(actor):
-    samples = _samples(1)
+    samples = _samples(seed=1)
     actor.packed, actor.pass_tokens = False, None
     counter = _Counter(actor.strategy.module)
     fixed = actor.logprobs(samples, 2, 1.0)
@@ -146,7 +133,7 @@ def test_critic_step_and_values_equal_fixed_micro_batches(tiny_model_dir):
 
     cfg = _cfg(tiny_model_dir, **{"algo.advantage.estimator": "gae"})
     critic = CriticWorker(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), total_updates=10, grad_accum=4)
-    samples = _samples(2)
+    samples = _samples(seed=2)
     fixed = _step(critic, samples, 0.2, fixed_padded=True)
     dynamic = _step(critic, samples, 0.2, fixed_padded=False)
     _assert_same(fixed, dynamic, ["value_loss", "clip_frac", "values_mean"])
@@ -187,3 +174,31 @@ def test_dynamic_batching_needs_packing(tiny_model_dir):
 
     with pytest.raises(ConfigError, match="--train.dynamic_batch_enable needs --ds.packing_samples"):
         _cfg(tiny_model_dir, **{"ds.packing_samples": False})
+
+
+@pytest.mark.slow
+def test_two_ranks_deepspeed_and_ddp_equal_fixed_and_one_rank(actor, tiny_model_dir, tmp_path):
+    """2 gloo ranks (DDP, ZeRO-2, ZeRO-3): the token-budget step (3 passes per rank, agreed by
+    all_reduce(max) although rank 1 alone needs 2; DeepSpeed configured for 2) equals the fixed one
+    (2 pairs per rank) and the one-rank step over all 8 samples, in the seq-mean mode."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("dynamic_batch_worker.py")
+    out = tmp_path / "two_ranks.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(29500 + (os.getpid() + 7) % 1000), str(worker), str(tiny_model_dir), str(out), "64",
+           "torch", "deepspeed:2", "deepspeed:3"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = torch.load(out, weights_only=False)
+    spec = PolicyLossSpec(loss_kwargs={"eps_low": 0.2, "eps_high": 0.2}, agg_mode="seq_mean_token_mean",
+                          kl_loss_coef=0.1)
+    one = _step(actor, _samples(), spec, fixed_padded=True)  # one rank, 4 pairs, all 8 samples
+    for name, modes in results.items():
+        assert (modes["fixed"]["metrics"]["micro_batches"], modes["budget"]["metrics"]["micro_batches"]) == (2, 3)
+        for mode, r in modes.items():
+            _assert_same(one, (r["metrics"], r["grads"], 0, 0), ["policy_loss", "kl_loss", "entropy", "clip_frac"])
