@@ -1,4 +1,9 @@
-"""``rlhforge tiny-model --out DIR``: a tiny Llama + locally trained tokenizer that loads offline."""
+"""``rlhforge tiny-model --out DIR [--arch NAME]``: a tiny causal LM of one model family + a locally
+trained tokenizer, loadable offline with ``from_pretrained``.
+
+``--arch`` is one of :data:`rlhforge.models.tiny.ARCHS` (llama, qwen2, qwen3, gemma3_text, mistral,
+phi3, qwen3_moe, mixtral); an unknown name exits 2 with the valid names.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ class TinyModelArgs:
 
     out: str
     """Output folder (loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained)."""
+    arch: str = "llama"
+    """Model family: llama, qwen2, qwen3, gemma3_text, mistral, phi3, qwen3_moe, mixtral."""
     seed: int = 0
     """Seed for the weights and the tokenizer corpus; the same seed gives the same files."""
     spec: TinyModelSpec = field(default_factory=TinyModelSpec)
@@ -22,11 +29,16 @@ class TinyModelArgs:
 def main(argv: list[str] | None = None, prog: str = "rlhforge tiny-model") -> int:
     import tyro
 
-    from rlhforge.models.tiny import build_tiny_model
+    from rlhforge.models.tiny import build_tiny_model, check_arch
 
     args = tyro.cli(TinyModelArgs, args=argv, prog=prog, use_underscores=True)
-    path = build_tiny_model(args.out, args.spec, seed=args.seed)
-    print(f"[rlhforge] tiny model written to {path}")
+    try:
+        check_arch(args.arch)
+    except ValueError as err:
+        print(f"[rlhforge] error: {err}", file=sys.stderr)
+        return 2
+    path = build_tiny_model(args.out, args.spec, seed=args.seed, arch=args.arch)
+    print(f"[rlhforge] tiny {args.arch} model written to {path}")
     return 0
 
 

@@ -1,11 +1,18 @@
-"""Tiny Llama-style causal LMs and locally trained BPE tokenizers, built without a hub.
+"""Tiny causal LMs of the common model families and locally trained BPE tokenizers, built without a hub.
 
-``build_tiny_model(out_dir)`` writes a folder that ``AutoModelForCausalLM.from_pretrained`` and
+``build_tiny_model(out_dir, arch=NAME)`` writes a folder that ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` load offline: a byte-level BPE tokenizer trained with
 ``tokenizers`` on a deterministic built-in corpus (so every byte is encodable), a ChatML chat
 template with ``{% generation %}`` markers (assistant-token masks for multi-turn SFT), ``<pad>`` as
 pad token and ``<|im_end|>`` as eos, and randomly initialised weights. The defaults give
 head_dim 32, the smallest vLLM's CPU attention accepts. The same seed gives the same files.
+
+``arch`` (:data:`ARCHS`) picks the transformers config class, and with it what makes the family
+different: ``qwen2`` (bias on q/k/v), ``qwen3`` (RMSNorm on q and k), ``gemma3_text`` (tied
+embeddings, final-logit soft-capping, sandwich norms, GELU, embeddings scaled by sqrt(hidden)),
+``mistral``, ``phi3`` (fused ``qkv_proj`` and ``gate_up_proj``), and the mixture-of-experts
+``qwen3_moe`` and ``mixtral`` (``spec.num_experts`` experts, top-``spec.num_experts_per_tok``
+routing, every layer sparse). Sizes come from :class:`TinyModelSpec` for every family.
 """
 
 from __future__ import annotations
@@ -98,6 +105,12 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
+    num_experts: int = 4
+    """MoE families only: experts per layer."""
+    num_experts_per_tok: int = 2
+    """MoE families only: experts each token is routed to."""
+    moe_intermediate_size: int = 128
+    """MoE families only: hidden size of each expert's MLP."""
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -115,17 +128,68 @@ class TinyModelSpec:
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts "
+                             f"({self.num_experts})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0) -> Path:
-    """Write a tiny causal LM + tokenizer to ``out_dir`` and return the path."""
+#: --arch NAME -> transformers config class name (the model class follows from AutoModelForCausalLM)
+ARCHS: dict[str, str] = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "gemma3_text": "Gemma3TextConfig",
+    "mistral": "MistralConfig",
+    "phi3": "Phi3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
+}
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+
+
+def check_arch(arch: str) -> str:
+    """``arch`` itself, or ValueError listing the valid names."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown --arch {arch!r}; valid: {', '.join(ARCHS)}")
+    return arch
+
+
+def _family_fields(arch: str, spec: TinyModelSpec) -> dict:
+    """The config fields that make ``arch`` itself (beyond the shared sizes)."""
+    if arch == "gemma3_text":
+        # tied embeddings, soft-capped logits; query scaling by head_dim; one sliding + one full layer
+        # with a window longer than any test sequence (the masks of both kinds must agree with vLLM's)
+        return dict(tie_word_embeddings=True, final_logit_softcapping=30.0, query_pre_attn_scalar=spec.head_dim,
+                    sliding_window=512,
+                    layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(spec.num_hidden_layers)])
+    if arch == "phi3":
+        return dict(original_max_position_embeddings=spec.max_position_embeddings)
+    if arch == "qwen3_moe":
+        return dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                    moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
+                    norm_topk_prob=True)
+    if arch == "mixtral":
+        return dict(num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                    intermediate_size=spec.moe_intermediate_size)
+    return {}
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0,
+                     arch: str = "llama") -> Path:
+    """Write a tiny causal LM of family ``arch`` (:data:`ARCHS`) + tokenizer to ``out_dir``; return the path."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
+    check_arch(arch)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size, seed=seed)
-    config = LlamaConfig(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -139,9 +203,13 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(),
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
+    if arch != "llama":  # the Llama config derives head_dim; the others are told it
+        fields["head_dim"] = spec.head_dim
+    fields.update(_family_fields(arch, spec))
+    config = getattr(transformers, ARCHS[arch])(**fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM._model_mapping[type(config)](config)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
     )
