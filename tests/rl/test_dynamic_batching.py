@@ -202,3 +202,25 @@ def test_two_ranks_deepspeed_and_ddp_equal_fixed_and_one_rank(actor, tiny_model_
         assert (modes["fixed"]["metrics"]["micro_batches"], modes["budget"]["metrics"]["micro_batches"]) == (2, 3)
         for mode, r in modes.items():
             _assert_same(one, (r["metrics"], r["grads"], 0, 0), ["policy_loss", "kl_loss", "entropy", "clip_frac"])
+
+
+def test_reward_model_scores_equal_fixed_micro_batches(tiny_model_dir, tmp_path):
+    from rlhforge.config.components import DSConfig, ModelConfig
+    from rlhforge.rewards.sources import RewardModels
+    from tests.model_helpers import tiny_reward_model
+
+    path = str(tiny_reward_model(tiny_model_dir, tmp_path / "rm"))
+    seqs = [s.input_ids for s in _samples(seed=3)]
+
+    def scores(max_tokens):
+        models = RewardModels([path], ModelConfig(model_name_or_path=path), DSConfig(param_dtype="fp32"),
+                              torch.device("cpu"), pad_token_id=0, normalize=False, micro_batch_size=2,
+                              max_tokens=max_tokens)
+        counter = _Counter(models.models[0].model)
+        out = models.score(seqs)
+        counter.handle.remove()
+        return [row[0] for row in out], counter.passes
+
+    (fixed, fixed_passes), (budget, budget_passes) = scores(None), scores(BUDGET)
+    assert (fixed_passes, budget_passes) == (4, 2)
+    assert budget == pytest.approx(fixed, rel=1e-5, abs=1e-5) and len(set(fixed)) == len(seqs)  # in input order
