@@ -19,7 +19,9 @@ How KL enters training:
 
 - as a per-token reward penalty ``r_t -= beta * KL_t`` (``advantages.assemble_token_rewards``;
   k1 is the usual choice);
-- as a loss term ``beta * agg(kl_loss(...))`` added to the policy loss (GRPO style; k3 or k2).
+- as a loss term ``beta * agg(kl_loss(...))`` added to the policy loss (GRPO style; k3 or k2);
+  ``kl_loss_unbiased_gradient`` keeps that term's value but back-propagates the importance-weighted
+  reverse-KL gradient (OpenRLHF's ``--algo.kl.unbiased_gradient``, PR 1309).
 
 ``binary_kl`` and ``total_variation`` compare two policies on the sampled token only; the
 importance-sampling corrections and FlashREINFORCE's trust region use them.
@@ -43,6 +45,8 @@ __all__ = [
     "get_kl_estimator",
     "compute_kl",
     "kl_loss",
+    "kl_loss_unbiased_gradient",
+    "DEFAULT_KL_IS_WEIGHT_CLIP",
     "binary_kl",
     "total_variation",
     "DEFAULT_KL_CLAMP",
@@ -128,6 +132,49 @@ def kl_loss(
     ``aggregation.aggregate_loss`` and scale by the KL coefficient (beta) in the trainer.
     """
     return compute_kl(log_probs, ref_log_probs.detach(), mask, estimator, clamp)
+
+
+DEFAULT_KL_IS_WEIGHT_CLIP = 10.0
+"""Upper clamp of the detached importance weight ``pi_theta / pi_old`` in the unbiased KL gradient."""
+
+
+def kl_loss_unbiased_gradient(
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    mask: Tensor,
+    estimator: str = "k3",
+    old_log_probs: Tensor | None = None,
+    clamp: float | None = DEFAULT_KL_CLAMP,
+    is_weight_clip: float = DEFAULT_KL_IS_WEIGHT_CLIP,
+) -> Tensor:
+    """Per-token KL loss whose *value* is ``kl_loss(...)`` (the chosen estimator, clamped) and whose
+    *gradient* w.r.t. ``log_probs`` is the importance-weighted reverse-KL score-function term
+
+        d loss_t / d log pi(a_t) = w_t * (log pi(a_t) - log pi_ref(a_t)),
+        w_t = min(exp(log pi(a_t) - log pi_old(a_t)), is_weight_clip)   (detached; 1 if no pi_old).
+
+    Why: the tokens were sampled from pi_old, and ``E_{a~pi_old}[w * x * grad log pi]`` is
+    ``grad KL(pi || pi_ref)`` (the reverse KL), whereas differentiating k1 gives a gradient that
+    vanishes in expectation, k3's descends the forward KL, and k2's is unbiased only on-policy.
+    The log-ratio in the gradient is not clamped (the value is); masked positions give 0 and 0.
+
+    Shapes: [B, T] inputs and mask -> [B, T]. ``old_log_probs`` [B, T] or None (on-policy, w = 1).
+    """
+    value = compute_kl(log_probs.detach(), ref_log_probs.detach(), mask, estimator, clamp)
+    keep = as_bool(mask)
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)
+    lp = torch.where(keep, log_probs.to(dtype), torch.zeros((), dtype=dtype, device=log_probs.device))
+    with torch.no_grad():
+        x = torch.where(keep, log_probs.to(dtype) - ref_log_probs.to(dtype), torch.zeros_like(lp))
+        if old_log_probs is None:
+            w = torch.ones_like(x)
+        else:
+            check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs)
+            log_w = torch.where(keep, log_probs.to(dtype) - old_log_probs.to(dtype), torch.zeros_like(x))
+            w = log_w.clamp(max=math.log(is_weight_clip)).exp()
+        coef = w * x
+    surrogate = coef * lp
+    return value + (surrogate - surrogate.detach())
 
 
 def _log1mexp(x: Tensor) -> Tensor:

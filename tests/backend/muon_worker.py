@@ -1,0 +1,55 @@
+"""One or more Muon optimizer steps on a fixed batch of the tiny model under one strategy (run as a
+subprocess: DeepSpeed and FSDP2 open a process group).
+
+Usage: python muon_worker.py MODEL_DIR OUT.pt OPTIM STEPS STRATEGY[:ZERO_STAGE] ...
+Writes {spec: {"losses": [...], "params": {name: full fp32 tensor after the steps}}}.
+"""
+
+import sys
+
+import torch
+
+
+def fixed_batch(vocab: int, n: int = 4, length: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (n, length), generator=g)
+    return ids, torch.ones_like(ids)
+
+
+def mean_nll(model, ids, attn):
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return -logp.mean()
+
+
+def run(model_dir: str, spec: str, optim: str, steps: int, lr: float = 0.02, max_norm: float = 0.0) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from rlhforge.backend.factory import build_strategy
+    from rlhforge.config.batching import plan_batches
+    from rlhforge.config.components import AdamConfig, DSConfig, MuonConfig, OptimConfig, TrainConfig
+
+    name, _, stage = spec.partition(":")
+    ds = DSConfig(strategy=name, zero_stage=int(stage or 0), param_dtype="fp32")
+    optim_cfg = OptimConfig(name=optim, adam=AdamConfig(lr=1e-3), muon=MuonConfig(lr=lr), lr_scheduler="constant",
+                            lr_warmup_ratio=0.0, max_norm=max_norm)
+    plan = plan_batches(num_samples=4, batch_size=4, micro_batch_size=4, world_size=1, max_epochs=1)
+    strategy = build_strategy(ds, optim_cfg, TrainConfig(device="cpu", micro_batch_size=4, batch_size=4), plan)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    wrapped = strategy.prepare(model, steps)
+    ids, attn = fixed_batch(model.config.vocab_size)
+    losses = []
+    for _ in range(steps):
+        loss = mean_nll(wrapped, ids, attn)
+        strategy.backward(loss, is_last_micro_batch=True)
+        strategy.step()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        losses.append(float(mean_nll(wrapped, ids, attn)))
+    return {"losses": losses, "params": strategy.full_state_dict()}
+
+
+if __name__ == "__main__":
+    model_dir, out, optim, steps = sys.argv[1:5]
+    torch.save({spec: run(model_dir, spec, optim, int(steps)) for spec in sys.argv[5:]}, out)
