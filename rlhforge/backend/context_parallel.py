@@ -193,12 +193,14 @@ def use_ring_attention(model) -> None:
             sub._attn_implementation = RING_ATTN_IMPL
 
 
-def ring_token_logprobs(model, batch: Mapping[str, Any], ring: RingGroup, temperature: float = 1.0) -> Tensor:
+def ring_token_logprobs(model, batch: Mapping[str, Any], ring: RingGroup, temperature: float = 1.0, *,
+                        return_logits: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`rlhforge.models.forward.token_logprobs` of a packed batch, computed across the ring.
 
     Every rank of the ring passes the same packed ``batch`` (one row, ``position_ids`` restarting
     per sample) and gets the same ``[1, N]`` log-probs (0 at the first token of each sample).
-    ``model`` must use ring attention (:func:`use_ring_attention`). Differentiable.
+    ``model`` must use ring attention (:func:`use_ring_attention`). Differentiable. With
+    ``return_logits`` also the raw logits of the whole row, ``[1, N, V]`` (gathered: ``N x V`` per rank).
     """
     from rlhforge.algorithms.logprobs import logprobs_from_logits
     from rlhforge.models.forward import prediction_mask
@@ -213,4 +215,7 @@ def ring_token_logprobs(model, batch: Mapping[str, Any], ring: RingGroup, temper
         logits = model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=False).logits
     next_logps = gather_ring(logprobs_from_logits(logits, targets, temperature=temperature), ring)  # [1, Npad]
     logps = torch.cat([torch.zeros_like(next_logps[:, :1]), next_logps[:, : part.total - 1]], dim=1)
-    return logps * prediction_mask(batch).to(logps.dtype)
+    logps = logps * prediction_mask(batch).to(logps.dtype)
+    if return_logits:
+        return logps, gather_ring(logits, ring)[:, : part.total]
+    return logps
