@@ -17,7 +17,11 @@ The batch trained at step ``k`` was generated with version ``v_k``; its **stalen
   version it started and ended with, and rollout-vs-trainer IS correction,
   ``--algo.advantage.is_correction_level``, is the usual remedy).
 
-``produce(version) -> (trajs, metrics, stream_position)`` is the trainer's own rollout function.
+``produce() -> (trajs, metrics, stream_position[, carry])`` is the trainer's own rollout function;
+``carry`` (optional) is the stream positions of prompt groups generated but kept for later steps
+(oversampling, :class:`~rlhforge.trainers.rl_data.GroupBuffer`), recorded per batch so that a
+checkpoint taken after batch ``k`` names exactly the groups still buffered after it (the async
+generator may already be further on).
 An exception in the generator thread is raised again from :meth:`AsyncRollouts.next`.
 """
 
@@ -43,9 +47,16 @@ class RolloutBatch:
     version_end: int
     generation_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    carry: list[int] = field(default_factory=list)
+    """Stream positions of the prompt groups still buffered after this batch (oversampling)."""
 
 
-Produce = Callable[[], tuple[list, dict, int]]
+Produce = Callable[[], tuple]
+
+
+def _unpack(out: tuple) -> tuple[list, dict, int, list[int]]:
+    trajs, metrics, pos, *rest = out
+    return trajs, metrics, pos, list(rest[0]) if rest else []
 
 
 class SyncRollouts:
@@ -61,8 +72,9 @@ class SyncRollouts:
 
     def next(self, index: int) -> RolloutBatch:
         t = time.perf_counter()
-        trajs, metrics, pos = self.produce()
-        return RolloutBatch(index, trajs, metrics, pos, self.version, self.version, time.perf_counter() - t)
+        trajs, metrics, pos, carry = _unpack(self.produce())
+        return RolloutBatch(index, trajs, metrics, pos, self.version, self.version, time.perf_counter() - t,
+                            carry=carry)
 
     def close(self) -> None:
         pass
@@ -130,14 +142,14 @@ class AsyncRollouts:
                 t = time.perf_counter()
                 if self.partial:
                     v0 = self._version
-                    trajs, metrics, pos = self.produce()
+                    trajs, metrics, pos, carry = _unpack(self.produce())
                     v1 = self._version
                 else:
                     with self.engine_lock:
                         v0 = self._version
-                        trajs, metrics, pos = self.produce()
+                        trajs, metrics, pos, carry = _unpack(self.produce())
                         v1 = self._version
-                batch = RolloutBatch(k, trajs, metrics, pos, v0, v1, time.perf_counter() - t)
+                batch = RolloutBatch(k, trajs, metrics, pos, v0, v1, time.perf_counter() - t, carry=carry)
                 with self._cond:
                     self._ready[k] = batch
                     self._next_index = k + 1

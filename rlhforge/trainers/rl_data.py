@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 from rlhforge.data.errors import DataError
 
-__all__ = ["Prompt", "load_prompts", "PromptStream"]
+__all__ = ["Prompt", "load_prompts", "PromptStream", "GroupBuffer", "Gathered", "gather_groups"]
 
 
 @dataclass(frozen=True)
@@ -107,13 +108,107 @@ class PromptStream:
             self._order, self._episode = torch.randperm(self.num_prompts, generator=g).tolist(), episode
         return self._order
 
+    def index_at(self, position: int) -> int:
+        """The prompt handed out at stream ``position`` (the stream does not move)."""
+        episode, offset = divmod(position, self.num_prompts)
+        return self._order_of(episode)[offset]
+
     def take(self, k: int) -> list[int]:
         out = []
         for _ in range(k):
-            episode, offset = divmod(self.position, self.num_prompts)
-            out.append(self._order_of(episode)[offset])
+            out.append(self.index_at(self.position))
             self.position += 1
         return out
+
+
+# --------------------------------------------------------------------------------------------- oversampling
+
+@dataclass
+class GroupBuffer:
+    """Prompt groups generated and accepted but not trained on yet (oversampling,
+    ``--rollout.vllm_generate_batch_size`` above ``rollout.batch_size``), oldest first, each with
+    its prompt-stream position. ``pending``: positions a checkpoint recorded as buffered; after a
+    resume they are generated again (same request seeds) before any new prompt is taken, so a
+    resumed run neither skips nor repeats a prompt."""
+
+    groups: list[tuple[int, list]] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+
+    def positions(self) -> list[int]:
+        """What a checkpoint taken now records (``trainer_state["buffered_positions"]``)."""
+        return [*self.pending, *(pos for pos, _ in self.groups)]
+
+
+@dataclass
+class Gathered:
+    """One step's prompt groups and how they were obtained."""
+
+    groups: list[list]
+    """The step's groups (``n`` trajectories each), at most ``need``, oldest prompt first."""
+    positions: list[int]
+    """Their prompt-stream positions."""
+    generated: list
+    """Every trajectory generated during this call (groups dropped by a failure excluded)."""
+    generated_groups: int
+    passed_groups: int
+    rounds: int
+    """Engine calls made (0: the buffer alone filled the step)."""
+    new_prompts: int
+    """Prompts taken from the stream during this call."""
+    from_buffer: int
+    """Groups of this step that were generated at an earlier step (or regenerated after a resume)."""
+
+
+#: generate(prompt indices, stream positions) -> one group (list of n trajectories) per position,
+#: or None where the group was dropped (a failed environment / reward, a registry filter)
+Generate = Callable[[list[int], list[int]], list]
+
+
+def gather_groups(stream: PromptStream, buffer: GroupBuffer, *, need: int, round_size: int | None,
+                  generate: Generate, accept: Callable[[list], bool] | None, max_refills: int) -> Gathered:
+    """Fill one step with ``need`` prompt groups: first the buffer (a resume's pending positions are
+    generated again first), then engine calls of ``round_size`` new prompts (None: just the
+    missing number). ``accept`` (dynamic filtering; None: keep every group) decides which generated
+    groups count; with it, up to ``max_refills`` extra calls replace rejected groups. Accepted
+    groups beyond ``need`` stay in ``buffer`` for the next step. Every prompt taken from the stream
+    ends up trained on, buffered, or rejected (filtered / dropped): none is taken twice."""
+    generated: list = []
+    counts = {"generated": 0, "passed": 0}
+
+    def run(idx: list[int], positions: list[int]) -> list[tuple[int, list]]:
+        out = []
+        for pos, group in zip(positions, generate(idx, positions)):
+            if group is None:
+                continue
+            generated.extend(group)
+            counts["generated"] += 1
+            if accept is None or accept(group):
+                counts["passed"] += 1
+                out.append((pos, group))
+        return out
+
+    kept: list[tuple[int, list]] = []
+    if buffer.pending:
+        positions, buffer.pending = list(buffer.pending), []
+        kept.extend(run([stream.index_at(p) for p in positions], positions))
+    kept.extend(buffer.groups)
+    from_buffer = len(kept)
+    buffer.groups = []
+    start, rounds = stream.position, 0
+    missing = need - len(kept)
+    if missing > 0:
+        size = round_size or missing
+        max_rounds = math.ceil(missing / size) + (max_refills if accept is not None else 0)
+        while len(kept) < need and rounds < max_rounds:
+            size = round_size or need - len(kept)
+            first = stream.position
+            idx = stream.take(size)
+            kept.extend(run(idx, list(range(first, first + size))))
+            rounds += 1
+    buffer.groups = kept[need:]
+    used = kept[:need]
+    return Gathered([g for _, g in used], [p for p, _ in used], generated, counts["generated"], counts["passed"],
+                    rounds, stream.position - start, min(from_buffer, need))
 
 
 def eval_metrics(trajs, n: int) -> dict[str, float]:
