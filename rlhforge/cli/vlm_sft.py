@@ -1,0 +1,60 @@
+"""The vision-language side of ``rlhforge sft`` (docs/vlm.md): checks, processor, samples, model.
+
+``train_sft.run`` asks :func:`vlm_setup` whether the model is a VLM (from its config); when it is,
+the tokenizer is a :class:`rlhforge.models.vlm.VisionProcessor` (tokenizer + image processor, saved
+with the export), samples come from :func:`rlhforge.data.vlm_sft.build_vlm_sft_samples` and the model
+from :func:`rlhforge.models.vlm.load_vlm`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rlhforge.config.parsing import ConfigError
+
+
+def vlm_setup(cfg):
+    """The model's :class:`VisionProcessor` when it is a VLM (after the checks below), else None."""
+    from rlhforge.models.vlm import is_vlm, load_processor
+
+    path = cfg.model.model_name_or_path
+    if not is_vlm(path, cfg.model.trust_remote_code):
+        if cfg.model.freeze_visual_encoder:
+            raise ConfigError(f"--model.freeze_visual_encoder: {path} is not a vision-language model "
+                              "(its config has no vision_config)")
+        return None
+    if cfg.model.pretrain_mode_enable:
+        raise ConfigError("--model.pretrain_mode_enable is not supported for vision-language models "
+                          "(images are placed by the chat template)")
+    if not cfg.data.apply_chat_template:
+        raise ConfigError("SFT of a vision-language model renders each record with the chat template, which "
+                          "places the images: add --data.apply_chat_template")
+    if cfg.ds.ring_attn_size > 1:
+        raise ConfigError(f"--ds.ring_attn_size {cfg.ds.ring_attn_size} is not supported for vision-language "
+                          "models (the ring slices packed rows; VLM batches are padded)")
+    if cfg.ds.packing_samples:
+        print("[rlhforge] note: --ds.packing_samples has no effect with a vision-language model: its M-RoPE "
+              "positions are computed by the model, so batches are padded", file=sys.stderr)
+    return load_processor(path, chat_template=cfg.data.tokenizer_chat_template,
+                          use_fast=not cfg.data.disable_fast_tokenizer)
+
+
+def load_vlm_sft_data(cfg, processor):
+    """Training and eval :class:`VLMSFTSample` lists (eval from ``eval.dataset`` or a held-out fraction)."""
+    from rlhforge.data.loading import load_train_and_eval
+    from rlhforge.data.vlm_sft import build_vlm_sft_samples
+
+    d = cfg.data
+    kwargs = dict(input_key=d.input_key, output_key=d.output_key, multiturn=d.multiturn, image_key=d.image_key,
+                  max_images=d.max_images_per_prompt, max_len=d.max_len)
+    train, evals = load_train_and_eval(d, cfg.eval, seed=cfg.train.seed)
+    train_samples = build_vlm_sft_samples(train, processor, **kwargs)
+    eval_samples = build_vlm_sft_samples(evals, processor, **kwargs) if evals is not None else []
+    return train_samples, eval_samples
+
+
+def load_vlm_model(cfg, device):
+    from rlhforge.models.vlm import load_vlm
+
+    return load_vlm(cfg.model.model_name_or_path, cfg.model, cfg.ds, device,
+                    freeze_visual_encoder=cfg.model.freeze_visual_encoder)

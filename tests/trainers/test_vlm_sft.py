@@ -1,0 +1,84 @@
+"""SFT of a tiny Qwen2-VL on coloured-shape images through the real CLI (docs/vlm.md)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhforge.cli.train_sft import main as sft_main
+from tests.vlm_helpers import write_colour_data
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm_dir(tmp_path_factory):
+    from rlhforge.models.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2_vl", arch="qwen2_vl", seed=0)
+
+
+def _args(model, data, out, *extra):
+    return ["--model.model_name_or_path", str(model), "--data.dataset", str(data), "--data.input_key", "messages",
+            "--data.apply_chat_template", "--data.max_len", "96", "--data.max_images_per_prompt", "1",
+            "--train.batch_size", "6", "--train.micro_batch_size", "3", "--train.max_epochs", "4",
+            "--adam.lr", "1e-2", "--lr_warmup_ratio", "0", "--ds.param_dtype", "fp32",
+            "--ckpt.output_dir", str(out), "--ckpt.path", str(out / "ckpts"), *extra]
+
+
+def test_vlm_sft_learns_keeps_the_frozen_tower_and_reloads(tiny_vlm_dir, tmp_path):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from rlhforge.models.vlm import load_processor, vision_tower
+
+    data = write_colour_data(tmp_path / "data", n=12)
+    out = tmp_path / "out"
+    assert sft_main(_args(tiny_vlm_dir, data, out, "--model.freeze_visual_encoder")) == 0
+    losses = [json.loads(x)["train/loss"] for x in (out / "metrics.jsonl").read_text().splitlines()
+              if "train/loss" in json.loads(x)]
+    assert len(losses) == 8  # 12 samples / 6 per step x 4 epochs
+    assert losses[-1] < losses[0] * 0.5, losses  # it learns the colour names
+    before, after = load_file(tiny_vlm_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(before) <= set(after)  # (the export also names the tied lm_head)
+    tower = [k for k in before if k.startswith(("visual.", "model.visual."))]  # saved names: visual.*, model.*
+    assert len(tower) > 10 and all(torch.equal(before[k], after[k]) for k in tower)  # bit-identical
+    text = [k for k in before if k not in tower]
+    assert all(not torch.equal(before[k], after[k]) for k in text)  # every language-model tensor trained
+    # the export reloads with from_pretrained and its processor files
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+                 "chat_template.jinja", "tokenizer.json"):
+        assert (out / name).is_file(), name
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert AutoImageProcessor.from_pretrained(out).merge_size == 2
+    assert AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+    original = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    pairs = list(zip(vision_tower(original).state_dict().values(), vision_tower(model).state_dict().values()))
+    assert len(pairs) == len(tower) and all(torch.equal(a, b) for a, b in pairs)
+    assert load_processor(str(out)).image_token_id == model.config.image_token_id
+
+
+def _exit_code(args) -> int:
+    with pytest.raises(SystemExit) as info:
+        sft_main(args)
+    return info.value.code
+
+
+def test_vlm_sft_refuses_what_it_cannot_do(tiny_vlm_dir, tiny_model_dir, tmp_path, capsys):
+    data = write_colour_data(tmp_path / "data", n=3)
+    # a text model with --model.freeze_visual_encoder; a VLM without the chat template
+    assert _exit_code(_args(tiny_model_dir, data, tmp_path / "a", "--model.freeze_visual_encoder")) == 2
+    assert "is not a vision-language model" in capsys.readouterr().err
+    args = _args(tiny_vlm_dir, data, tmp_path / "b")
+    args.remove("--data.apply_chat_template")
+    assert _exit_code(args) == 2
+    assert "--data.apply_chat_template" in capsys.readouterr().err
+    # too many images: the error names file, record and field
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    rows[2]["images"] = ["img/0.png", "img/1.png"]
+    rows[2]["messages"][0]["content"] = "<image><image>Which?"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _exit_code(_args(tiny_vlm_dir, data, tmp_path / "c")) == 2
+    err = capsys.readouterr().err
+    assert f"{data}, record 2, field 'images': has 2 images, more than --data.max_images_per_prompt 1" in err, err
