@@ -42,6 +42,8 @@ def full_grads(worker, name: str) -> dict:
             g = safe_get_full_grad(p)
         else:
             g = p.grad
+            if g is not None and hasattr(g, "full_tensor"):  # FSDP2: a sharded DTensor
+                g = g.full_tensor()
         if g is not None:
             out[pname] = g.detach().float().clone()
     return out

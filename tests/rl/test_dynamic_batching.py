@@ -4,7 +4,7 @@ The actor's and critic's steps (real workers on the plain-torch strategy) give t
 and gradients (1e-5, float32) with fixed micro-batches and with token-budget ones, in token-mean and
 seq-mean modes and for GSPO, with fewer forward passes and less computed padding (counted by a
 forward pre-hook on the model, not timed); the no-grad passes return the same per-sample values in
-input order. Two gloo ranks (DDP, ZeRO-2, ZeRO-3; tests/rl/dynamic_batch_worker.py) agree on the
+input order. Two gloo ranks (DDP, ZeRO-2, ZeRO-3, FSDP2; tests/rl/dynamic_batch_worker.py) agree on the
 number of passes and give the one-rank gradient. Two short RL runs through the real CLI (fixed vs
 token budget) train, log ``actor/micro_batches`` and match on their first step.
 """
@@ -178,7 +178,7 @@ def test_dynamic_batching_needs_packing(tiny_model_dir):
 
 @pytest.mark.slow
 def test_two_ranks_deepspeed_and_ddp_equal_fixed_and_one_rank(actor, tiny_model_dir, tmp_path):
-    """2 gloo ranks (DDP, ZeRO-2, ZeRO-3): the token-budget step (3 passes per rank, agreed by
+    """2 gloo ranks (DDP, ZeRO-2, ZeRO-3, FSDP2): the token-budget step (3 passes per rank, agreed by
     all_reduce(max) although rank 1 alone needs 2; DeepSpeed configured for 2) equals the fixed one
     (2 pairs per rank) and the one-rank step over all 8 samples, in the seq-mean mode."""
     import os
@@ -191,7 +191,7 @@ def test_two_ranks_deepspeed_and_ddp_equal_fixed_and_one_rank(actor, tiny_model_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(29500 + (os.getpid() + 7) % 1000), str(worker), str(tiny_model_dir), str(out), "64",
-           "torch", "deepspeed:2", "deepspeed:3"]
+           "torch", "deepspeed:2", "deepspeed:3", "fsdp2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = torch.load(out, weights_only=False)
@@ -224,3 +224,15 @@ def test_reward_model_scores_equal_fixed_micro_batches(tiny_model_dir, tmp_path)
     (fixed, fixed_passes), (budget, budget_passes) = scores(None), scores(BUDGET)
     assert (fixed_passes, budget_passes) == (4, 2)
     assert budget == pytest.approx(fixed, rel=1e-5, abs=1e-5) and len(set(fixed)) == len(seqs)  # in input order
+
+
+def test_micro_batch_size_does_not_constrain_token_budget_runs(tiny_model_dir):
+    """With token budgets train.micro_batch_size splits nothing: 12 samples per step with a micro-batch
+    size of 8 are refused for fixed micro-batches only (the arithmetic uses 1 sample, as OpenRLHF's
+    DeepSpeed config does)."""
+    from rlhforge.config.parsing import ConfigError
+
+    over = {"rollout.batch_size": 12, "train.batch_size": 12, "train.micro_batch_size": 8}
+    assert _cfg(tiny_model_dir, **over).planned_micro_batch_size == 1
+    with pytest.raises(ConfigError, match="train.batch_size 12 is not divisible by train.micro_batch_size 8"):
+        _cfg(tiny_model_dir, **over, **{"train.dynamic_batch_enable": False})
