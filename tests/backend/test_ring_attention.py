@@ -113,3 +113,19 @@ def test_torch_block_kernel_backward_matches_autograd():
     dq, dk, dv = kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, plan, 32 ** -0.5)
     for mine, theirs in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_plans_divide_by_the_data_parallel_size():
+    from rlhforge.config.batching import plan_batches, plan_rl_batches
+    from rlhforge.config.parsing import ConfigError
+
+    # 4 ranks in rings of 2 = 2 data-parallel ranks: 8 samples -> 4 per rank -> 2 micro-batches of 2
+    plan = plan_batches(num_samples=32, batch_size=8, micro_batch_size=2, world_size=4, max_epochs=1, ring_size=2)
+    assert (plan.world_size, plan.per_rank_batch, plan.grad_accum_steps, plan.total_steps) == (2, 4, 2, 4)
+    with pytest.raises(ConfigError, match=r"micro_batch_size 4 x 2 data-parallel ranks \(4 ranks / ring 2\) = 8"):
+        plan_batches(num_samples=32, batch_size=12, micro_batch_size=4, world_size=4, max_epochs=1, ring_size=2)
+    with pytest.raises(ConfigError, match="ring_attn_size 3 must divide the 4 training ranks"):
+        plan_batches(num_samples=32, batch_size=8, micro_batch_size=2, world_size=4, max_epochs=1, ring_size=3)
+    rl = plan_rl_batches(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=4, micro_batch_size=2,
+                         rollout_micro_batch_size=8, world_size=2, num_prompts=32, ring_size=2)
+    assert rl.grad_accum_steps == 2  # 4 samples / (2 per micro-batch x 1 data-parallel rank)
