@@ -44,15 +44,40 @@ def load_tokenizer(path: str, *, chat_template: str | None = None, use_fast: boo
     return tokenizer
 
 
-def lora_config(lora_cfg, task_type: str = "CAUSAL_LM"):
+def default_lora_targets(model) -> str | list[str]:
+    """What ``--ds.lora.target_modules all-linear`` (the default) means on ``model``.
+
+    Dense models: peft's ``all-linear`` (every ``nn.Linear`` but the output head; Phi-3's fused
+    ``qkv_proj``/``gate_up_proj`` included). MoE models: their attention projections only, as an
+    explicit list of ``nn.Linear`` module names. peft (>= 0.18) maps ``all-linear`` on transformers 5's
+    MoE models onto the router and the fused 3-D expert tensors too (``ParamWrapper``): LoRA on a
+    router moves the routing itself, and the weight-sync merge
+    (:func:`rlhforge.models.export.merged_lora_state`) covers ``nn.Linear`` adapters only. Name the
+    experts in ``--ds.lora.target_modules`` to go further (the sync merge then refuses with the reason).
+    """
+    from rlhforge.models.moe import is_moe, router_modules
+
+    if not is_moe(model):
+        return "all-linear"
+    moe_blocks = tuple(name.rsplit(".", 1)[0] + "." for name, _ in router_modules(model))
+    head = model.get_output_embeddings()
+    return sorted(name for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and m is not head and not name.startswith(moe_blocks))
+
+
+def lora_config(lora_cfg, task_type: str = "CAUSAL_LM", model=None):
+    """peft's LoraConfig for ``--ds.lora.*``; with ``model``, the default ``all-linear`` is resolved by
+    :func:`default_lora_targets` (MoE models: attention projections)."""
     from peft import LoraConfig, TaskType
 
     targets = list(lora_cfg.target_modules)
+    if targets == ["all-linear"]:
+        targets = default_lora_targets(model) if model is not None else "all-linear"
     return LoraConfig(
         r=lora_cfg.rank,
         lora_alpha=lora_cfg.alpha,
         lora_dropout=lora_cfg.dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        target_modules=targets,
         task_type=getattr(TaskType, task_type),
         bias="none",
     )
@@ -62,6 +87,8 @@ def load_causal_lm(path: str, model_cfg, ds_cfg, device: torch.device, *, auto_c
     """Load ``path`` in fp32 master precision (strategies cast/autocast) with the chosen attention."""
     from transformers import AutoModelForCausalLM
 
+    if auto_class is None and getattr(ds_cfg, "use_liger_kernel", False):  # GPU only (config/validation.py)
+        from liger_kernel.transformers import AutoLigerKernelForCausalLM as auto_class  # noqa: N813
     auto_class = auto_class or AutoModelForCausalLM
     load_kwargs = dict(
         dtype=torch.float32,
@@ -69,6 +96,9 @@ def load_causal_lm(path: str, model_cfg, ds_cfg, device: torch.device, *, auto_c
         trust_remote_code=model_cfg.trust_remote_code,
         **kwargs,
     )
+    experts = getattr(ds_cfg, "experts_implementation", None)
+    if experts is not None:  # --ds.experts_implementation (MoE kernels; dense models ignore it)
+        load_kwargs["experts_implementation"] = experts
     if ds_cfg.load_in_4bit:
         if device.type != "cuda":
             raise ValueError("--ds.load_in_4bit (QLoRA) needs a CUDA device (bitsandbytes); this run is on CPU")
@@ -97,5 +127,5 @@ def load_causal_lm(path: str, model_cfg, ds_cfg, device: torch.device, *, auto_c
         if model_cfg.gradient_checkpointing_enable:
             model.enable_input_require_grads()
         task = "SEQ_CLS" if "SequenceClassification" in type(model).__name__ else "CAUSAL_LM"
-        model = get_peft_model(model, lora_config(ds_cfg.lora, task))
+        model = get_peft_model(model, lora_config(ds_cfg.lora, task, model))
     return model
