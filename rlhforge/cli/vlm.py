@@ -1,9 +1,11 @@
-"""The vision-language side of ``rlhforge sft`` (docs/vlm.md): checks, processor, samples, model.
+"""The vision-language side of ``rlhforge sft`` and ``rlhforge dpo`` (docs/vlm.md): checks, processor,
+samples, models.
 
-``train_sft.run`` asks :func:`vlm_setup` whether the model is a VLM (from its config); when it is,
-the tokenizer is a :class:`rlhforge.models.vlm.VisionProcessor` (tokenizer + image processor, saved
-with the export), samples come from :func:`rlhforge.data.vlm_sft.build_vlm_sft_samples` and the model
-from :func:`rlhforge.models.vlm.load_vlm`.
+``train_sft.run`` / ``train_dpo.run`` ask :func:`vlm_setup` whether the model is a VLM (from its
+config); when it is, the tokenizer is a :class:`rlhforge.models.vlm.VisionProcessor` (tokenizer +
+image processor, saved with the export), samples come from
+:func:`rlhforge.data.vlm_sft.build_vlm_sft_samples` / :func:`rlhforge.data.vlm_preference.build_vlm_preference_samples`
+and the models from :func:`rlhforge.models.vlm.load_vlm`.
 """
 
 from __future__ import annotations
@@ -58,3 +60,24 @@ def load_vlm_model(cfg, device):
 
     return load_vlm(cfg.model.model_name_or_path, cfg.model, cfg.ds, device,
                     freeze_visual_encoder=cfg.model.freeze_visual_encoder)
+
+
+def load_vlm_preference_data(cfg, processor):
+    """Training and eval :class:`VLMPreferenceSample` lists (DPO)."""
+    from rlhforge.data.loading import load_train_and_eval
+    from rlhforge.data.vlm_preference import build_vlm_preference_samples
+
+    d = cfg.data
+    kwargs = dict(prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
+                  image_key=d.image_key, max_images=d.max_images_per_prompt, max_len=d.max_len)
+    train, evals = load_train_and_eval(d, cfg.eval, seed=cfg.train.seed)
+    train_samples = build_vlm_preference_samples(train, processor, **kwargs)
+    eval_samples = build_vlm_preference_samples(evals, processor, **kwargs) if evals is not None else []
+    return train_samples, eval_samples
+
+
+def load_vlm_reference(path: str, model_cfg, ds_cfg, device):
+    """The frozen DPO reference VLM (no LoRA, no 4-bit; the whole model, tower included, is frozen anyway)."""
+    from rlhforge.models.vlm import load_vlm
+
+    return load_vlm(path, model_cfg, ds_cfg, device)

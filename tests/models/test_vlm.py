@@ -130,3 +130,28 @@ def test_frozen_tower_and_lora_on_the_language_model_only(vlm_dirs):
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and ".language_model." in n for n in trainable)
     assert not any("lora_" in n for n, _ in vision_tower(peft_model).named_parameters())
+
+
+def test_preference_pairs_carry_their_images_to_both_sides(vlm_dirs):
+    from rlhforge.data.vlm_preference import build_vlm_preference_samples, collate_vlm_pairs
+
+    proc = load_processor(str(vlm_dirs["qwen2_vl"]))
+    model = _model(vlm_dirs["qwen2_vl"])
+    records = [{"prompt": "<image>Colour?", "chosen": "red", "rejected": "no idea", "images": [shape_image("red")]},
+               {"prompt": "Which two?", "chosen": "blue and green", "rejected": "red",
+                "images": [shape_image("blue", size=(28, 28)), shape_image("green", size=(28, 56))]}]
+    pairs = build_vlm_preference_samples(records, proc, prompt_key="prompt")
+    for pair in pairs:  # the same expanded prompt on both sides
+        assert pair.chosen_ids[: pair.prompt_len] == pair.rejected_ids[: pair.prompt_len]
+        n_pad = sum(t == proc.image_token_id for t in pair.chosen_ids[: pair.prompt_len])
+        assert n_pad == int(pair.image_grid_thw.prod(-1).sum()) // 4
+    batch = collate_vlm_pairs(pairs, proc.pad_token_id, proc.image_token_id)
+    assert batch["image_grid_thw"].shape[0] == 6  # (1 + 2 images) x (chosen, rejected)
+    with torch.no_grad():
+        together = token_logprobs(model, batch)
+        rows = [(p.chosen_ids, p.chosen_mask, p) for p in pairs] + [(p.rejected_ids, p.rejected_mask, p) for p in pairs]
+        for row, (ids, mask, pair) in enumerate(rows):
+            one = {"input_ids": ids, "loss_mask": mask, "pixel_values": pair.pixel_values,
+                   "image_grid_thw": pair.image_grid_thw}
+            alone = token_logprobs(model, collate_vlm([type("S", (), one)()], proc.pad_token_id, proc.image_token_id))
+            assert torch.allclose(together[row, : len(ids)], alone[0], atol=1e-5, rtol=0)

@@ -82,3 +82,35 @@ def test_vlm_sft_refuses_what_it_cannot_do(tiny_vlm_dir, tiny_model_dir, tmp_pat
     assert _exit_code(_args(tiny_vlm_dir, data, tmp_path / "c")) == 2
     err = capsys.readouterr().err
     assert f"{data}, record 2, field 'images': has 2 images, more than --data.max_images_per_prompt 1" in err, err
+
+
+def _write_preferences(folder, n=9):
+    """Pairs "<image>What colour is the shape?": chosen = the colour, rejected = a refusal."""
+    rows = [json.loads(x) for x in write_colour_data(folder, n=n).read_text().splitlines()]
+    pairs = [{"prompt": row["messages"][0]["content"], "chosen": row["messages"][1]["content"],
+              "rejected": "I do not know", "images": row["images"]} for row in rows]
+    path = folder / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return path
+
+
+def test_vlm_dpo_learns_the_preference_with_a_frozen_tower(tiny_vlm_dir, tmp_path):
+    from rlhforge.cli.train_dpo import main as dpo_main
+    from rlhforge.tracking.metrics import read_metrics
+
+    data = _write_preferences(tmp_path / "data")
+    out = tmp_path / "dpo"
+    args = ["--model.model_name_or_path", str(tiny_vlm_dir), "--data.dataset", str(data), "--data.prompt_key", "prompt",
+            "--data.apply_chat_template", "--data.max_len", "96", "--train.batch_size", "9",
+            "--train.micro_batch_size", "3", "--train.max_epochs", "6", "--adam.lr", "1e-2", "--lr_warmup_ratio", "0",
+            "--ds.param_dtype", "fp32", "--model.beta", "0.5", "--model.freeze_visual_encoder",
+            "--ckpt.output_dir", str(out), "--ckpt.path", str(out / "ckpts")]
+    assert dpo_main(args) == 0
+    rows = [r for r in read_metrics(out) if "train/loss" in r]
+    assert len(rows) == 6
+    assert rows[0]["train/loss"] == pytest.approx(0.6931472, abs=1e-5)  # policy == reference at step 1
+    assert rows[-1]["train/loss"] < 0.3 and rows[-1]["train/acc"] == 1.0, rows[-1]
+    before, after = load_file(tiny_vlm_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    tower = [k for k in before if k.startswith(("visual.", "model.visual."))]
+    assert len(tower) > 10 and all(torch.equal(before[k], after[k]) for k in tower)
+    assert not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
