@@ -16,7 +16,7 @@ import torch.distributed as dist
 from rlhforge.backend.context_parallel import gather_ring, ring_token_logprobs, single_ring, slice_packed, use_ring_attention
 from rlhforge.backend.ring_attention import TorchBlockKernel, ring_attention
 
-LENGTHS = [6, 4, 3]  # 13 tokens: not a multiple of 2 (one pad); the second sample straddles the two slices of 7
+LENGTHS = [6, 4, 3]  # 13 tokens, padded to the ring; ring 2: sample 1 straddles the slices of 7; ring 3: sample 0 those of 5
 
 
 def packed_batch(vocab: int, seed: int = 0):

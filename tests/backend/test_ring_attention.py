@@ -1,4 +1,4 @@
-"""Ring attention (``--ds.ring_attn_size``): 2 gloo ranks on CPU equal one rank.
+"""Ring attention (``--ds.ring_attn_size``): 2 (and 3, slow) gloo ranks on CPU equal one rank.
 
 The distributed part runs ``ring_worker.py`` under torchrun: the attention function alone vs SDPA
 with a block-diagonal causal mask (GQA, several head strides), and a tiny float32 Llama on a packed
@@ -20,12 +20,13 @@ from rlhforge.backend.ring_attention import BlockPlan, TorchBlockKernel, block_p
 WORKER = Path(__file__).with_name("ring_worker.py")
 
 
-@pytest.fixture(scope="module")
-def ring_results(tmp_path_factory):
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["ring2", "ring3"])
+def ring_results(request, tmp_path_factory):
+    """Ring of 2 (13 tokens + 1 pad, slices of 7) or 3 (+ 2 pads, slices of 5; three blocks per ring pass)."""
     out = tmp_path_factory.mktemp("ring") / "ring.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(31000 + os.getpid() % 1000), str(WORKER), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(request.param), "--master_port",
+           str(31000 + request.param + os.getpid() % 1000), str(WORKER), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
