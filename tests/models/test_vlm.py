@@ -155,3 +155,16 @@ def test_preference_pairs_carry_their_images_to_both_sides(vlm_dirs):
                    "image_grid_thw": pair.image_grid_thw}
             alone = token_logprobs(model, collate_vlm([type("S", (), one)()], proc.pad_token_id, proc.image_token_id))
             assert torch.allclose(together[row, : len(ids)], alone[0], atol=1e-5, rtol=0)
+
+
+def test_tiny_model_cli_builds_the_same_vlm(vlm_dirs, tmp_path, capsys):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from rlhforge.cli.tiny_model import main as tiny_main
+
+    assert tiny_main(["--out", str(tmp_path / "m"), "--arch", "qwen2_vl"]) == 0
+    assert "qwen2_vl vision-language model" in capsys.readouterr().out
+    a, b = load_file(vlm_dirs["qwen2_vl"] / "model.safetensors"), load_file(tmp_path / "m" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same seed, same weights
+    assert type(AutoModelForImageTextToText.from_pretrained(tmp_path / "m")).__name__ == "Qwen2VLForConditionalGeneration"
