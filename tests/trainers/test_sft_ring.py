@@ -24,8 +24,8 @@ ROOT = Path(__file__).parents[2]
                                       pytest.param(["--ds.strategy", "deepspeed", "--ds.zero_stage", "2"],
                                                    marks=pytest.mark.slow)], ids=["ddp", "zero2"])
 def test_sft_ring_attention_two_ranks_match_one(tiny_model_dir, tmp_path, strategy):
-    data = write_sft_data(tmp_path / "train.jsonl", n=16)
-    common = ["--ds.packing_samples", "--train.micro_batch_size", "4"]
+    data = write_sft_data(tmp_path / "train.jsonl", n=20)
+    common = ["--ds.packing_samples", "--train.micro_batch_size", "4", "--eval.holdout_ratio", "0.2"]  # 16 + 4
     single = tmp_path / "single"
     assert sft_main(sft_args(tiny_model_dir, data, single, *common, "--ds.strategy", "torch")) == 0
     ring = tmp_path / "ring"
@@ -36,12 +36,16 @@ def test_sft_ring_attention_two_ranks_match_one(tiny_model_dir, tmp_path, strate
                      "--ds.ring_attn_head_stride", "1")]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "1 data-parallel x 2 ring-attention" in proc.stdout
+    assert "16 train / 4 eval" in proc.stdout and "1 data-parallel x 2 ring-attention" in proc.stdout
     a, b = losses(single), losses(ring)
     assert sorted(a) == sorted(b) == [1, 2]
     assert a[1] > 1.0  # a real NLL of the tiny model
     assert b[1] == pytest.approx(a[1], rel=1e-5)
     assert b[2] == pytest.approx(a[2], rel=1e-4)
+    evals = [{r["step"]: r["eval/loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+              if "eval/loss" in r} for d in (single, ring)]
+    assert evals[0].keys() == evals[1].keys() == {2} and evals[0][2] > 1.0
+    assert evals[1][2] == pytest.approx(evals[0][2], rel=1e-4)  # eval shards by data-parallel rank too
     norms = [{r["step"]: r["train/grad_norm"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
               if "train/grad_norm" in r} for d in (single, ring)]
     assert norms[1][1] == pytest.approx(norms[0][1], rel=1e-5)  # the gradient itself, not only Adam's direction
