@@ -80,14 +80,16 @@ def _named(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 def muon_param_split(model: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]]
                      ) -> tuple[list[str], list[str]]:
-    """Names of the trainable parameters Muon updates (2-D, no name in ``MUON_EXCLUDED_NAMES``) and of
-    those AdamW updates (the rest). Tied weights appear once (``named_parameters`` de-duplicates)."""
+    """Names of the trainable parameters Muon updates (2-D with both sides > 1, no name in
+    ``MUON_EXCLUDED_NAMES``) and of those AdamW updates (the rest: a one-row matrix such as a value head
+    under any ``--ds.value_head_prefix`` is a vector). Tied weights appear once (``named_parameters``
+    de-duplicates)."""
     muon, adam = [], []
     for name, p in _named(model):
         if not p.requires_grad:
             continue
         lowered = name.lower()
-        is_matrix = p.ndim == 2 and not any(x in lowered for x in MUON_EXCLUDED_NAMES)
+        is_matrix = p.ndim == 2 and min(p.shape) > 1 and not any(x in lowered for x in MUON_EXCLUDED_NAMES)
         (muon if is_matrix else adam).append(name)
     return muon, adam
 

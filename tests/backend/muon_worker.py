@@ -1,10 +1,11 @@
 """One or more Muon optimizer steps on a fixed batch of the tiny model under one strategy (run as a
 subprocess: DeepSpeed and FSDP2 open a process group).
 
-Usage: python muon_worker.py MODEL_DIR OUT.pt OPTIM STEPS STRATEGY[:ZERO_STAGE] ...
+Usage: [torchrun --nproc_per_node N] muon_worker.py MODEL_DIR OUT.pt OPTIM STEPS STRATEGY[:ZERO_STAGE] ...
 Writes {spec: {"losses": [...], "params": {name: full fp32 tensor after the steps}}}.
 """
 
+import os
 import sys
 
 import torch
@@ -33,8 +34,9 @@ def run(model_dir: str, spec: str, optim: str, steps: int, lr: float = 0.02, max
     ds = DSConfig(strategy=name, zero_stage=int(stage or 0), param_dtype="fp32")
     optim_cfg = OptimConfig(name=optim, adam=AdamConfig(lr=1e-3), muon=MuonConfig(lr=lr), lr_scheduler="constant",
                             lr_warmup_ratio=0.0, max_norm=max_norm)
-    plan = plan_batches(num_samples=4, batch_size=4, micro_batch_size=4, world_size=1, max_epochs=1)
-    strategy = build_strategy(ds, optim_cfg, TrainConfig(device="cpu", micro_batch_size=4, batch_size=4), plan)
+    world = int(os.environ.get("WORLD_SIZE", 1))  # every rank trains on the same batch: the mean gradient is one rank's
+    plan = plan_batches(num_samples=4 * world, batch_size=4 * world, micro_batch_size=4, world_size=world, max_epochs=1)
+    strategy = build_strategy(ds, optim_cfg, TrainConfig(device="cpu", micro_batch_size=4, batch_size=4 * world), plan)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     wrapped = strategy.prepare(model, steps)
@@ -52,4 +54,6 @@ def run(model_dir: str, spec: str, optim: str, steps: int, lr: float = 0.02, max
 
 if __name__ == "__main__":
     model_dir, out, optim, steps = sys.argv[1:5]
-    torch.save({spec: run(model_dir, spec, optim, int(steps)) for spec in sys.argv[5:]}, out)
+    results = {spec: run(model_dir, spec, optim, int(steps)) for spec in sys.argv[5:]}
+    if int(os.environ.get("RANK", 0)) == 0:
+        torch.save(results, out)

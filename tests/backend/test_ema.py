@@ -3,6 +3,7 @@
 uninterrupted run."""
 
 import os
+import socket
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,12 @@ from rlhforge.backend.ema import ParamEMA, ema_update_
 
 ROOT = Path(__file__).parents[2]
 WORKER = Path(__file__).with_name("ema_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _toy():
@@ -63,7 +70,7 @@ def test_sharded_ema_on_two_ranks_exports_the_recomputed_average(tiny_model_dir,
     equals the EMA recomputed from the full weights after every step, and the live weights come back."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29700 + os.getpid() % 200), str(WORKER), str(tiny_model_dir), str(tmp_path), "0.5", "2",
+           str(_free_port()), str(WORKER), str(tiny_model_dir), str(tmp_path), "0.5", "2",
            "fsdp2", "deepspeed:3"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

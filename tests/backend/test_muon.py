@@ -4,6 +4,7 @@ Muon takes the same first step as the plain-torch strategy."""
 
 import io
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,12 @@ import muon_worker  # noqa: E402
 
 WORKER = Path(__file__).with_name("muon_worker.py")
 MUON = OptimConfig(name="muon", adam=AdamConfig(lr=1e-3, weight_decay=0.1), muon=MuonConfig(lr=0.02))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _model(model_dir):
@@ -133,27 +140,39 @@ def test_state_dict_round_trip_continues_the_same_steps(tiny_model_dir):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.slow
-def test_deepspeed_zero_first_step_matches_the_torch_strategy(tiny_model_dir, tmp_path):
-    """DeepSpeed's MuonWithAuxAdam under ZeRO-2 and ZeRO-3 on one CPU rank. Its Newton-Schulz runs in
-    fp16 ("gram" variant) where torch's runs in bf16, so the two agree in direction, not to 1e-5."""
-    out = tmp_path / "ds.pt"
+def _worker(model_dir, out, nproc, *specs):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",  # eager muon_update: no inductor build
            "PYTHONPATH": str(Path(__file__).parents[2])}
-    cmd = [sys.executable, str(WORKER), str(tiny_model_dir), str(out), "muon", "1", "deepspeed:2", "deepspeed:3"]
+    cmd = [sys.executable, str(WORKER), str(model_dir), str(out), "muon", "1", *specs]
+    if nproc > 1:
+        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                    str(_free_port())]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ds = torch.load(out, weights_only=False)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero_and_fsdp2_take_the_torch_strategy_step(tiny_model_dir, tmp_path):
+    """DeepSpeed's MuonWithAuxAdam under ZeRO-2 and ZeRO-3 on one CPU rank: its Newton-Schulz runs in fp16
+    ("gram" variant) where torch's runs in bf16, so the two agree in direction and size, not to 1e-5.
+    On 2 ranks (each on the same batch, so the averaged gradient is one rank's) ZeRO-2 and ZeRO-3 shard
+    the matrices but DeepSpeed's Muon gathers them: the step equals the 1-rank step. FSDP2's DTensor shards
+    go through torch.optim.Muon: one rank's direction and size (per-shard Newton-Schulz would change both)."""
+    ds = _worker(tiny_model_dir, tmp_path / "ds.pt", 1, "deepspeed:2", "deepspeed:3")
+    two = _worker(tiny_model_dir, tmp_path / "two.pt", 2, "deepspeed:2", "deepspeed:3", "fsdp2")
     ref = muon_worker.run(str(tiny_model_dir), "torch", "muon", 1)
     init = _model(tiny_model_dir).state_dict()
     muon, adam = muon_param_split(_model(tiny_model_dir))
-    z2, z3 = ds["deepspeed:2"]["params"], ds["deepspeed:3"]["params"]
-    for name in muon + adam:
-        torch.testing.assert_close(z3[name], z2[name], rtol=0, atol=1e-5, msg=name)  # one implementation
-    for name in muon:
-        d_ds, d_t = (z2[name] - init[name]).flatten(), (ref["params"][name] - init[name]).flatten()
-        assert torch.nn.functional.cosine_similarity(d_ds, d_t, 0) > 0.97, name
-        assert abs(d_ds.norm() / d_t.norm() - 1) < 0.05, name
+    z2 = ds["deepspeed:2"]["params"]
+    for other in (ds["deepspeed:3"], two["deepspeed:2"], two["deepspeed:3"]):
+        for name in muon + adam:  # one implementation, whatever the stage and the number of ranks
+            torch.testing.assert_close(other["params"][name], z2[name], rtol=0, atol=1e-6, msg=name)
+    for params, tol in ((z2, 0.05), (two["fsdp2"]["params"], 0.02)):
+        for name in muon:
+            d, d_t = (params[name] - init[name]).flatten(), (ref["params"][name] - init[name]).flatten()
+            assert torch.nn.functional.cosine_similarity(d, d_t, 0) > 0.97, name
+            assert abs(d.norm() / d_t.norm() - 1) < tol, name
     for name in adam:
         torch.testing.assert_close(z2[name], ref["params"][name], rtol=0, atol=1e-6, msg=name)
     assert ds["deepspeed:2"]["losses"][1] == pytest.approx(ref["losses"][1], abs=1e-3)
