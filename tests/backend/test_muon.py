@@ -176,3 +176,47 @@ def test_deepspeed_zero_and_fsdp2_take_the_torch_strategy_step(tiny_model_dir, t
     for name in adam:
         torch.testing.assert_close(z2[name], ref["params"][name], rtol=0, atol=1e-6, msg=name)
     assert ds["deepspeed:2"]["losses"][1] == pytest.approx(ref["losses"][1], abs=1e-3)
+
+
+def test_start_up_notices(capsys):
+    """--optim muon + --max_norm > 0: one line recommending 0; DeepSpeed's Muon fixes ns_steps / nesterov."""
+    from rlhforge.config.parsing import parse_args
+    from rlhforge.config.rl import RLConfig
+    from rlhforge.config.sft import SFTConfig
+
+    base = ["--model.model_name_or_path", "/nonexistent", "--data.dataset", "builtin:arithmetic", "--optim", "muon"]
+    cases = [([], ["--optim.max_norm 0 is recommended"]), (["--max_norm", "0"], []),
+             (["--max_norm", "0", "--ds.strategy", "deepspeed", "--muon.ns_steps", "3", "--muon.no_nesterov"],
+              ["--optim.muon.ns_steps 3 has no effect under DeepSpeed", "--optim.muon.nesterov False has no effect"]),
+             (["--max_norm", "0", "--muon.ns_steps", "3"], [])]  # plain torch honours ns_steps
+    for extra, want in cases:
+        capsys.readouterr()
+        parse_args(SFTConfig, base + extra)  # parses and validates
+        lines = [x for x in capsys.readouterr().err.splitlines() if "muon" in x.lower()]
+        assert len(lines) == len(want) and all(w in x for w, x in zip(want, lines)), (extra, lines)
+    rl = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "builtin:arithmetic", "--rollout.batch_size", "8",
+          "--train.batch_size", "8", "--reward.remote_url", "builtin:arithmetic", "--actor.optim", "muon"]
+    capsys.readouterr()
+    parse_args(RLConfig, rl)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "muon" in x.lower()]
+    assert len(lines) == 1 and "--actor.optim muon with --actor.max_norm 1.0" in lines[0], lines
+
+
+def test_rl_actor_trains_with_muon_through_the_cli(tiny_model_dir, tmp_path):
+    """One RL step, one optimizer step with --actor.optim muon (peak lr, no warm-up, no decay): the
+    exported attention matrix moved by an orthogonalised step of spectral size ~ muon.lr."""
+    from tests.rl.helpers import rl_args, write_reward
+    from rlhforge.cli.train_ppo_ray import main as rl_main
+    from safetensors.torch import load_file
+
+    reward = write_reward(tmp_path / "reward.py")
+    out = tmp_path / "run"
+    assert rl_main(rl_args(tiny_model_dir, out, "--reward.remote_url", reward, "--train.batch_size", "8",
+                           "--actor.optim", "muon", "--actor.muon.lr", "0.02", "--actor.max_norm", "0",
+                           "--algo.kl.init_coef", "0", steps=1)) == 0
+    before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"  # 128 x 128: no shape factor
+    sv = torch.linalg.svdvals((after[name] - before[name]) / 0.02)
+    assert 0.5 < float(sv[0]) < 1.5 and float(sv[3]) > 0.3, sv[:8]
+    norm = "model.norm.weight"  # AdamW (lr 1e-3): its first step moves each entry by ~lr
+    assert 0.5e-3 < float((after[norm] - before[norm]).abs().max()) < 1.5e-3
