@@ -95,3 +95,29 @@ def test_masked_positions_have_zero_value_and_gradient_even_with_inf():
     out.sum().backward()
     assert lpg.grad[0, 1].item() == 0.0 and torch.isfinite(lpg.grad).all()
     torch.testing.assert_close(lpg.grad[0, 0], torch.tensor(min(math.exp(0.3), 10.0) * 0.3))
+
+
+def test_rl_cli_flag_keeps_the_logged_kl_and_changes_the_update(tiny_model_dir, tmp_path):
+    """One GRPO step with the KL as a k3 loss, with and without --algo.kl.unbiased_gradient: the same
+    rollout and the same logged actor/kl_loss (the value is the estimator's), different weights."""
+    from safetensors.torch import load_file
+
+    from rlhforge.cli.train_ppo_ray import main as rl_main
+    from tests.rl.helpers import metrics, rl_args, write_reward
+
+    reward = write_reward(tmp_path / "reward.py")
+    runs = {}
+    for name, extra in (("plain", []), ("unbiased", ["--algo.kl.unbiased_gradient"])):
+        out = tmp_path / name
+        # two optimizer steps per rollout, so the second sees pi_theta != pi_old (w != 1)
+        assert rl_main(rl_args(tiny_model_dir, out, "--reward.remote_url", reward, "--algo.kl.use_loss",
+                               "--algo.kl.estimator", "k3", "--algo.kl.init_coef", "0.5", *extra, steps=1)) == 0
+        rec = next(r for r in metrics(out) if "actor/kl_loss" in r)
+        runs[name] = rec, load_file(out / "model.safetensors")
+    (a, wa), (b, wb) = runs["plain"], runs["unbiased"]
+    assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+    # the first update starts at pi = pi_ref (KL 0, both gradients 0), so both runs reach the second with the
+    # same weights: its KL value is the same, its KL gradient is not
+    assert a["actor/kl_loss"] > 1e-6
+    assert a["actor/kl_loss"] == pytest.approx(b["actor/kl_loss"], rel=1e-4, abs=1e-9)
+    assert any(not torch.allclose(wa[k], wb[k], atol=1e-7) for k in wa)
