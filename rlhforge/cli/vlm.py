@@ -17,7 +17,7 @@ from rlhforge.config.parsing import ConfigError
 
 def vlm_setup(cfg):
     """The model's :class:`VisionProcessor` when it is a VLM (after the checks below), else None."""
-    from rlhforge.models.vlm import is_vlm, load_processor
+    from rlhforge.models.vlm import check_supported_vlm, is_vlm, load_processor
 
     path = cfg.model.model_name_or_path
     if not is_vlm(path, cfg.model.trust_remote_code):
@@ -25,6 +25,10 @@ def vlm_setup(cfg):
             raise ConfigError(f"--model.freeze_visual_encoder: {path} is not a vision-language model "
                               "(its config has no vision_config)")
         return None
+    try:
+        check_supported_vlm(path, cfg.model.trust_remote_code)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if cfg.model.pretrain_mode_enable:
         raise ConfigError("--model.pretrain_mode_enable is not supported for vision-language models "
                           "(images are placed by the chat template)")
@@ -35,7 +39,7 @@ def vlm_setup(cfg):
         raise ConfigError(f"--ds.ring_attn_size {cfg.ds.ring_attn_size} is not supported for vision-language "
                           "models (the ring slices packed rows; VLM batches are padded)")
     if cfg.ds.packing_samples:
-        print("[rlhforge] note: --ds.packing_samples has no effect with a vision-language model: its M-RoPE "
+        print("[rlhforge] note: --ds.packing_samples true has no effect with a vision-language model: its M-RoPE "
               "positions are computed by the model, so batches are padded", file=sys.stderr)
     return load_processor(path, chat_template=cfg.data.tokenizer_chat_template,
                           use_fast=not cfg.data.disable_fast_tokenizer)

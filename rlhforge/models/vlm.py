@@ -37,6 +37,21 @@ _PROCESSOR_FILES = ("processor_config.json", "video_preprocessor_config.json", "
                     "chat_template.json")
 
 
+#: model types whose pixel inputs (``pixel_values`` [patches, D], ``image_grid_thw``, M-RoPE from
+#: ``mm_token_type_ids``) this module builds and the tests check; other VLMs are refused for now
+SUPPORTED_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def check_supported_vlm(path: str, trust_remote_code: bool = False) -> None:
+    """ValueError unless ``path`` is a VLM of :data:`SUPPORTED_VLM_TYPES`."""
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type
+    if model_type not in SUPPORTED_VLM_TYPES:
+        raise ValueError(f"{path} is a {model_type} vision-language model; rlhforge trains "
+                         f"{', '.join(SUPPORTED_VLM_TYPES)} so far (docs/vlm.md)")
+
+
 def is_vlm_config(config) -> bool:
     from transformers import AutoModelForImageTextToText
 

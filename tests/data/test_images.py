@@ -48,6 +48,12 @@ def test_every_kind_of_value_gives_the_same_pixels(tmp_path):
     assert len(decoded) == 1 and _same(decoded[0], blue)
     raw = ds.cast_column("images", datasets.Sequence(datasets.Image(decode=False)))[0]
     assert _same(record_images(raw, "images", RecordRef("<dataset>", 0))[0], blue)
+    # ... and through the dataset loader: a datasets folder and a Parquet file keep the Image feature
+    ds.save_to_disk(str(tmp_path / "hfds"))
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    for spec in (tmp_path / "hfds", tmp_path / "d.parquet"):
+        rec = load_dataset_spec(str(spec))[0]
+        assert _same(record_images(rec, "images", record_ref(rec, 0))[0], blue), spec
     assert record_images({"messages": []}, "images", RecordRef("<dataset>", 0)) == []  # text-only record
     assert load_image(red.convert("L"), RecordRef("x", 0), "images").mode == "RGB"
 

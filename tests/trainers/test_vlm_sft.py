@@ -13,10 +13,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny_vlm_dir(tmp_path_factory):
+def vlm_dirs(tmp_path_factory):
     from rlhforge.models.tiny_vlm import build_tiny_vlm
 
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2_vl", arch="qwen2_vl", seed=0)
+    root = tmp_path_factory.mktemp("vlm")
+    return {arch: build_tiny_vlm(root / arch, arch=arch, seed=0) for arch in ("qwen2_vl", "qwen2_5_vl")}
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm_dir(vlm_dirs):
+    return vlm_dirs["qwen2_vl"]
 
 
 def _args(model, data, out, *extra):
@@ -27,11 +33,14 @@ def _args(model, data, out, *extra):
             "--ckpt.output_dir", str(out), "--ckpt.path", str(out / "ckpts"), *extra]
 
 
-def test_vlm_sft_learns_keeps_the_frozen_tower_and_reloads(tiny_vlm_dir, tmp_path):
+@pytest.mark.parametrize("arch, model_class", [("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+                                               ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration")])
+def test_vlm_sft_learns_keeps_the_frozen_tower_and_reloads(vlm_dirs, arch, model_class, tmp_path):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     from rlhforge.models.vlm import load_processor, vision_tower
 
+    tiny_vlm_dir = vlm_dirs[arch]
     data = write_colour_data(tmp_path / "data", n=12)
     out = tmp_path / "out"
     assert sft_main(_args(tiny_vlm_dir, data, out, "--model.freeze_visual_encoder")) == 0
@@ -50,7 +59,7 @@ def test_vlm_sft_learns_keeps_the_frozen_tower_and_reloads(tiny_vlm_dir, tmp_pat
                  "chat_template.jinja", "tokenizer.json"):
         assert (out / name).is_file(), name
     model = AutoModelForImageTextToText.from_pretrained(out)
-    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert type(model).__name__ == model_class
     assert AutoImageProcessor.from_pretrained(out).merge_size == 2
     assert AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
     original = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
