@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "load_balancing_loss",
     "token_mask_for_router",
     "router_modules",
+    "recorded_router_logits",
     "aux_loss_enabled",
     "experts_implementations",
     "checkpoint_names",
@@ -116,6 +118,24 @@ def router_modules(model) -> list[tuple[str, torch.nn.Module]]:
         if isinstance(gate, torch.nn.Module) and isinstance(getattr(module, "experts", None), torch.nn.Module):
             out.append((f"{name}.gate" if name else "gate", gate))
     return out
+
+
+@contextlib.contextmanager
+def recorded_router_logits(model):
+    """Collect every router's logits ``[N, E]`` of the forwards run inside the block (forward hooks on
+    :func:`router_modules`), for models whose outputs do not carry ``router_logits`` (a reward model's
+    sequence-classification head drops them)."""
+    logits: list[Tensor] = []
+
+    def hook(_module, _inputs, output):
+        logits.append(output[0] if isinstance(output, tuple) else output)
+
+    handles = [m.register_forward_hook(hook) for _, m in router_modules(model)]
+    try:
+        yield logits
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def aux_loss_enabled(coef: float, model, flag: str) -> bool:

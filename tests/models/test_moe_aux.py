@@ -7,8 +7,9 @@
   recomputation;
 - packed batches computed in bounded rows give the padded batch's loss (the rows' padding is not
   counted; transformers' unmasked loss on the same rows differs, which is why the mask is ours);
-- SFT with a coefficient logs ``train/aux_loss``, reports the same first-step NLL as without it,
-  and moves the router weights differently; a dense model prints one notice and trains as with 0;
+- SFT and RM with a coefficient log ``train/aux_loss`` (RM: equal packed and padded), report the
+  same first-step loss as without it, and move the router weights differently; a dense model prints
+  one notice and trains as with 0;
 - experts implementations give the same logits; unknown and CUDA-only names are refused.
 """
 
@@ -189,3 +190,29 @@ def test_experts_implementation_flag_is_validated_and_passed_through(moe_dir, tm
     cfg = parse_args(SFTConfig, base + ["--ds.experts_implementation", "batched_mm"])
     model = load_causal_lm(str(moe_dir), cfg.model, cfg.ds, torch.device("cpu"))
     assert model.config._experts_implementation == "batched_mm"
+
+
+def test_reward_model_adds_the_aux_loss_packed_and_padded(moe_dir, tmp_path):
+    """RM: ``train/aux_loss`` is logged (hooks on the routers: the classification head drops the router
+    logits), equal for packed and padded batches, and the routers move differently than without it."""
+    from safetensors.torch import load_file
+
+    from rlhforge.cli.main import main as rlhforge_main
+    from tests.rl.helpers import metrics
+
+    def run(out, *extra):
+        assert rlhforge_main(["rm", "--model.model_name_or_path", str(moe_dir), "--data.dataset",
+                              "builtin:arithmetic_preference?n=8", "--data.prompt_key", "prompt", "--data.input_template",
+                              "Q: {}\nA: ", "--train.batch_size", "4", "--train.micro_batch_size", "2", "--adam.lr", "1e-3",
+                              "--ckpt.output_dir", str(out), "--logger.progress_bar", "off", *extra]) == 0
+        return [r for r in metrics(out) if "train/loss" in r]
+
+    plain = run(tmp_path / "plain")
+    padded = run(tmp_path / "padded", "--model.aux_loss_coef", "1.0")
+    packed = run(tmp_path / "packed", "--model.aux_loss_coef", "1.0", "--ds.packing_samples")
+    assert "train/aux_loss" not in plain[0] and 1.8 < padded[0]["train/aux_loss"] < 4.0
+    assert packed[0]["train/aux_loss"] == pytest.approx(padded[0]["train/aux_loss"], abs=1e-5)
+    assert padded[0]["train/loss"] == pytest.approx(plain[0]["train/loss"], abs=1e-6)
+    a, b = load_file(tmp_path / "plain" / "model.safetensors"), load_file(tmp_path / "padded" / "model.safetensors")
+    gates = [k for k in a if k.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight"))]
+    assert len(gates) == SPEC.num_hidden_layers and all((a[k] - b[k]).abs().max() > 1e-6 for k in gates)
