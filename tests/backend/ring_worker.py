@@ -104,6 +104,41 @@ def model_case(ring, results):
         results[f"grad_{name}"] = (grad, dict(reference.named_parameters())[name].grad)
 
 
+FAMILIES = {  # transformers config class, fields beyond the shared tiny sizes
+    "qwen2": ("Qwen2Config", {}), "qwen3": ("Qwen3Config", {}), "mistral": ("MistralConfig", {"sliding_window": None}),
+    "phi3": ("Phi3Config", {"original_max_position_embeddings": 64}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 512, "query_pre_attn_scalar": 32}),
+}
+
+
+def families_case(ring, results):
+    """Other HF families through the attention interface: log-probs equal the one-rank sdpa forward
+    (Gemma 3's sliding window is refused by name)."""
+    import transformers
+
+    from rlhforge.models.forward import token_logprobs
+
+    sizes = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=64, head_dim=32, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2)
+    batch = packed_batch(97)
+    for name, (cls, extra) in FAMILIES.items():
+        config = getattr(transformers, cls)(**sizes, **extra)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        reference = transformers.AutoModelForCausalLM.from_config(config).float()
+        ringed = copy.deepcopy(reference)
+        use_ring_attention(ringed)
+        try:
+            results[f"family_{name}"] = (ring_token_logprobs(ringed, batch, ring).detach(),
+                                         token_logprobs(reference, batch).detach())
+        except ValueError as err:
+            results[f"family_{name}"] = str(err)
+
+
 def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -111,6 +146,7 @@ def main():
     results = {}
     attention_cases(ring, results)
     model_case(ring, results)
+    families_case(ring, results)
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])
     dist.barrier()

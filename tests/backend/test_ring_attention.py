@@ -57,6 +57,14 @@ def test_ring_llama_equals_one_rank_forward_and_gradients(ring_results):
         torch.testing.assert_close(ring, ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_ring_attention_in_other_hf_families(ring_results):
+    for name in ("qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"):
+        ring, ref = ring_results[f"family_{name}"]
+        assert (ref < 0).sum() == 10, name  # 13 tokens, 3 sample starts
+        torch.testing.assert_close(ring, ref, rtol=1e-5, atol=1e-5, msg=name)
+    assert "ring attention does not implement sliding_window (got 512)" in ring_results["family_gemma3_text"]
+
+
 def test_ring_topology_is_dp_by_ring():
     topo = ring_topology(world_size=4, ring_size=2)
     assert topo.dp_size == 2 and topo.rings() == [[0, 1], [2, 3]]
