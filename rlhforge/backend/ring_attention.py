@@ -192,8 +192,12 @@ class FlashBlockKernel:
     """
 
     def __init__(self):
-        from flash_attn import flash_attn_interface as fa  # noqa: PLC0415 - optional GPU dependency
+        import flash_attn  # noqa: PLC0415 - optional GPU dependency
+        from flash_attn import flash_attn_interface as fa
+        from packaging.version import Version
 
+        if Version(flash_attn.__version__) < Version("2.7"):
+            raise ImportError(f"flash_attn {flash_attn.__version__}: ring attention's kernel calls need >= 2.7")
         self.fa = fa
 
     @staticmethod
@@ -241,7 +245,7 @@ def _default_kernel(x: Tensor):
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):  # flash kernels take half precision only
         try:
             return FlashBlockKernel()
-        except ImportError:
+        except ImportError:  # not installed, or older than 2.7: the torch kernel (same results, more memory)
             pass
     return TorchBlockKernel()
 
