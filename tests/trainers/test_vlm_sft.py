@@ -123,3 +123,35 @@ def test_vlm_dpo_learns_the_preference_with_a_frozen_tower(tiny_vlm_dir, tmp_pat
     tower = [k for k in before if k.startswith(("visual.", "model.visual."))]
     assert len(tower) > 10 and all(torch.equal(before[k], after[k]) for k in tower)
     assert not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+
+
+@pytest.mark.slow
+def test_vlm_sft_zero3_two_processes_matches_one(tiny_vlm_dir, tmp_path):
+    """DeepSpeed ZeRO-3 on 2 CPU processes: the same losses as one process, the frozen (sharded) tower
+    bit-identical, the same weights to float tolerance."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    data = write_colour_data(tmp_path / "data", n=12)
+    single, dist = tmp_path / "single", tmp_path / "zero3"
+    common = ["--train.max_epochs", "1", "--logger.logging_steps", "1", "--model.freeze_visual_encoder"]
+    assert sft_main(_args(tiny_vlm_dir, data, single, *common)) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(29700 + os.getpid() % 500), "-m", "rlhforge.cli.train_sft",
+           *_args(tiny_vlm_dir, data, dist, *common, "--ds.strategy", "deepspeed", "--ds.zero_stage", "3")]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    def losses(run):
+        return [json.loads(x)["train/loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = losses(single), losses(dist)
+    assert len(a) == 2 and b == pytest.approx(a, rel=1e-5)
+    before, one, two = (load_file(d / "model.safetensors") for d in (tiny_vlm_dir, single, dist))
+    tower = [k for k in before if k.startswith(("visual.", "model.visual."))]
+    assert tower and all(torch.equal(before[k], two[k]) for k in tower)
+    assert max((one[k] - two[k]).abs().max().item() for k in before) < 1e-4
