@@ -165,7 +165,8 @@ def _family_fields(arch: str, spec: TinyModelSpec) -> dict:
         # with a window longer than any test sequence (the masks of both kinds must agree with vLLM's)
         return dict(tie_word_embeddings=True, final_logit_softcapping=30.0, query_pre_attn_scalar=spec.head_dim,
                     sliding_window=512,
-                    layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(spec.num_hidden_layers)])
+                    layer_types=["full_attention" if i % 2 else "sliding_attention"
+                                 for i in range(spec.num_hidden_layers)])
     if arch == "phi3":
         return dict(original_max_position_embeddings=spec.max_position_embeddings)
     if arch == "qwen3_moe":

@@ -40,7 +40,8 @@ SPEC = TinyModelSpec(hidden_size=64, intermediate_size=128, num_attention_heads=
 DENSE_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 LORA_TARGETS = {arch: DENSE_TARGETS for arch in ARCHS}
 LORA_TARGETS.update(phi3={"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
-                    qwen3_moe={"q_proj", "k_proj", "v_proj", "o_proj"}, mixtral={"q_proj", "k_proj", "v_proj", "o_proj"})
+                    qwen3_moe={"q_proj", "k_proj", "v_proj", "o_proj"},
+                    mixtral={"q_proj", "k_proj", "v_proj", "o_proj"})
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -53,7 +54,8 @@ def test_cli_tiny_model_arch_and_unknown_name(tmp_path, capsys):
     from rlhforge.cli.tiny_model import main
 
     assert main(["--out", str(tmp_path / "m"), "--arch", "phi3", "--spec.hidden_size", "64",
-                 "--spec.num_attention_heads", "2", "--spec.num_key_value_heads", "1", "--spec.num_hidden_layers", "1"]) == 0
+                 "--spec.num_attention_heads", "2", "--spec.num_key_value_heads", "1",
+                 "--spec.num_hidden_layers", "1"]) == 0
     assert '"model_type": "phi3"' in (tmp_path / "m" / "config.json").read_text()
     assert main(["--out", str(tmp_path / "x"), "--arch", "gpt9"]) == 2
     assert "unknown --arch 'gpt9'; valid: llama, qwen2, qwen3, gemma3_text, mistral, phi3, qwen3_moe, mixtral" \
@@ -74,7 +76,8 @@ def _check_export(arch, out, initial):
     assert all(torch.equal(again[k], disk[k]) for k in disk)
     if arch == "gemma3_text":  # tied: one tensor after reloading (the export may also write the head: the same values)
         assert model.lm_head.weight is model.model.embed_tokens.weight
-        assert torch.equal(disk.get("lm_head.weight", disk["model.embed_tokens.weight"]), disk["model.embed_tokens.weight"])
+        embed = disk["model.embed_tokens.weight"]
+        assert torch.equal(disk.get("lm_head.weight", embed), embed)
     if arch in MOE_ARCHS:
         assert any(".experts.3." in k for k in disk)  # per-expert checkpoint names
     before = load_file(initial / "model.safetensors")

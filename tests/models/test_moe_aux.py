@@ -202,8 +202,9 @@ def test_reward_model_adds_the_aux_loss_packed_and_padded(moe_dir, tmp_path):
 
     def run(out, *extra):
         assert rlhforge_main(["rm", "--model.model_name_or_path", str(moe_dir), "--data.dataset",
-                              "builtin:arithmetic_preference?n=8", "--data.prompt_key", "prompt", "--data.input_template",
-                              "Q: {}\nA: ", "--train.batch_size", "4", "--train.micro_batch_size", "2", "--adam.lr", "1e-3",
+                              "builtin:arithmetic_preference?n=8", "--data.prompt_key", "prompt",
+                              "--data.input_template", "Q: {}\nA: ", "--train.batch_size", "4",
+                              "--train.micro_batch_size", "2", "--adam.lr", "1e-3",
                               "--ckpt.output_dir", str(out), "--logger.progress_bar", "off", *extra]) == 0
         return [r for r in metrics(out) if "train/loss" in r]
 
