@@ -127,6 +127,12 @@ def load_processor(path: str, *, chat_template: str | None = None, use_fast: boo
     from rlhforge.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(path, chat_template=chat_template, use_fast=use_fast)
+    if not getattr(tokenizer, "chat_template", None):  # older processors keep it in chat_template.json
+        legacy = _source_file(path, "chat_template.json")
+        if legacy is not None:
+            import json
+
+            tokenizer.chat_template = json.loads(Path(legacy).read_text()).get("chat_template")
     try:
         image_processor = AutoImageProcessor.from_pretrained(path)
     except (OSError, ValueError) as err:

@@ -66,6 +66,26 @@ def test_processor_output_matches_the_model(vlm_dirs, arch):
         assert sum(s.loss_mask) == len(proc.tokenizer(reply)["input_ids"]) + 1  # the reply and <|im_end|>
 
 
+def test_image_key_and_a_legacy_chat_template_file(vlm_dirs, tmp_path):
+    import json
+    import shutil
+
+    proc = load_processor(str(vlm_dirs["qwen2_vl"]))
+    renamed = [{"messages": r["messages"], "pics": r["images"]} for r in _records()]
+    a, b = build_vlm_sft_samples(_records(), proc), build_vlm_sft_samples(renamed, proc, image_key="pics")
+    assert [s.input_ids for s in a] == [s.input_ids for s in b]
+    assert all(torch.equal(x.pixel_values, y.pixel_values) for x, y in zip(a, b))
+    # a folder whose chat template is only in the processor's chat_template.json (older exports)
+    legacy = shutil.copytree(vlm_dirs["qwen2_vl"], tmp_path / "legacy")
+    template = (legacy / "chat_template.jinja").read_text()
+    (legacy / "chat_template.jinja").unlink()
+    config = json.loads((legacy / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (legacy / "tokenizer_config.json").write_text(json.dumps(config))
+    (legacy / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert load_processor(str(legacy)).tokenizer.chat_template == template
+
+
 def test_text_models_are_not_vlms(tiny_model_dir):
     assert not is_vlm(str(tiny_model_dir))
 
