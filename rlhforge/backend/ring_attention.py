@@ -35,7 +35,8 @@ on it.
 HF models: importing this module registers :data:`RING_ATTN_IMPL` with transformers'
 ``AttentionInterface``; load a model with ``attn_implementation=RING_ATTN_IMPL`` (or set
 ``model.config._attn_implementation``) and run its forward inside :func:`ring_layout_active`.
-Grouped-query attention (fewer K/V heads) is handled without repeating K/V before sending.
+Grouped-query attention (fewer K/V heads) is handled without repeating K/V before sending. Sliding
+windows (HF ``sliding_window``) are applied by the torch kernel; logit soft-capping is refused.
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ class BlockPlan:
     cu_q: tuple[int, ...]
     cu_k: tuple[int, ...]
     causal: bool
+    q_offset: int = 0
+    """Index of the query slice's first token in the packed row."""
+    k_offset: int = 0
+    window: int | None = None
+    """Sliding window (HF ``sliding_window``): a query sees keys less than ``window`` tokens back."""
 
 
 def _runs(ids: Tensor) -> tuple[int, ...]:
@@ -113,24 +119,30 @@ def _runs(ids: Tensor) -> tuple[int, ...]:
     return (0, *change.tolist(), ids.numel())
 
 
-def block_plan(q_ids: Tensor, k_ids: Tensor, q_slice: int, k_slice: int) -> BlockPlan | None:
+def block_plan(q_ids: Tensor, k_ids: Tensor, q_slice: int, k_slice: int, window: int | None = None
+               ) -> BlockPlan | None:
     """The attending window of queries of slice ``q_slice`` against keys of slice ``k_slice``.
 
     Contiguous slices of one row: a later key slice is all in the future (None); the own slice is
     causal per sample; an earlier key slice is seen only by the sample that starts before the query
     slice and continues into it (its queries see all of its keys there, no causal cut), else None.
+    With a sliding ``window``, a key slice that ends ``window`` or more tokens before the query
+    slice starts is None too (the window itself is applied by :func:`plan_mask`).
     """
-    if k_slice > q_slice:
+    n = q_ids.numel()
+    q_off, k_off = q_slice * n, k_slice * n
+    if k_slice > q_slice or (window is not None and q_off - (k_off + n - 1) >= window):
         return None
     if k_slice == q_slice:
         cu = _runs(q_ids)
-        return BlockPlan(0, q_ids.numel(), 0, k_ids.numel(), cu, cu, True)
+        return BlockPlan(0, n, 0, k_ids.numel(), cu, cu, True, q_off, k_off, window)
     straddling = int(q_ids[0])
     if int(k_ids[-1]) != straddling:
         return None
     q_end = int((q_ids == straddling).sum())
     k_start = k_ids.numel() - int((k_ids == straddling).sum())
-    return BlockPlan(0, q_end, k_start, k_ids.numel(), (0, q_end), (0, k_ids.numel() - k_start), False)
+    return BlockPlan(0, q_end, k_start, k_ids.numel(), (0, q_end), (0, k_ids.numel() - k_start), False,
+                     q_off, k_off, window)
 
 
 def plan_mask(plan: BlockPlan, lq: int, lk: int, device=None) -> Tensor:
@@ -140,6 +152,10 @@ def plan_mask(plan: BlockPlan, lq: int, lk: int, device=None) -> Tensor:
         qa, qb, ka, kb = plan.q_start + a, plan.q_start + b, plan.k_start + c, plan.k_start + d
         block = torch.ones(qb - qa, kb - ka, dtype=torch.bool, device=device)
         allowed[qa:qb, ka:kb] = block.tril() if plan.causal else block
+    if plan.window is not None:
+        qi = plan.q_offset + torch.arange(lq, device=device)
+        ki = plan.k_offset + torch.arange(lk, device=device)
+        allowed &= (qi[:, None] - ki[None, :]) < plan.window
     return allowed
 
 
@@ -206,6 +222,8 @@ class FlashBlockKernel:
         return t, int((t[1:] - t[:-1]).max())
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> tuple[Tensor, Tensor]:
+        if plan.window is not None:
+            raise NotImplementedError("FlashBlockKernel has no sliding window (ring_attention uses the torch kernel)")
         hq, lq, d = q.shape
         qw = q[:, plan.q_start : plan.q_end].transpose(0, 1).contiguous()  # [Lq', H, D]
         kw = k[:, plan.k_start : plan.k_end].transpose(0, 1).contiguous()
@@ -274,7 +292,7 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tens
     return out * torch.exp(lse - new)[..., None] + out_b * torch.exp(lse_b - new)[..., None], new
 
 
-def _ring_forward(q, k, v, layout: RingLayout, scale: float, kernel) -> tuple[Tensor, Tensor]:
+def _ring_forward(q, k, v, layout: RingLayout, scale: float, kernel, window=None) -> tuple[Tensor, Tensor]:
     n, r = layout.ring_size, layout.ring_rank
     q_ids = layout.slice_ids(r)
     kv = torch.stack([k, v])
@@ -282,7 +300,7 @@ def _ring_forward(q, k, v, layout: RingLayout, scale: float, kernel) -> tuple[Te
     for step in range(n):
         reqs, nxt = _exchange(kv, layout) if step < n - 1 else ([], None)
         src = (r - step) % n
-        plan = block_plan(q_ids, layout.slice_ids(src), r, src)
+        plan = block_plan(q_ids, layout.slice_ids(src), r, src, window)
         if plan is not None:
             out_b, lse_b = kernel.forward(q, kv[0], kv[1], plan, scale)
             out, lse = (out_b, lse_b) if out is None else _merge(out, lse, out_b, lse_b)  # step 0: the own block
@@ -292,7 +310,7 @@ def _ring_forward(q, k, v, layout: RingLayout, scale: float, kernel) -> tuple[Te
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, layout: RingLayout, scale: float, kernel):
+def _ring_backward(dout, q, k, v, out, lse, layout: RingLayout, scale: float, kernel, window=None):
     n, r = layout.ring_size, layout.ring_rank
     q_ids = layout.slice_ids(r)
     kv = torch.stack([k, v])
@@ -301,7 +319,7 @@ def _ring_backward(dout, q, k, v, out, lse, layout: RingLayout, scale: float, ke
     for step in range(n):
         reqs, nxt = _exchange(kv, layout) if step < n - 1 else ([], None)
         src = (r - step) % n
-        plan = block_plan(q_ids, layout.slice_ids(src), r, src)
+        plan = block_plan(q_ids, layout.slice_ids(src), r, src, window)
         if plan is not None:
             dq_b, dk_b, dv_b = kernel.backward(dout, q, kv[0], kv[1], out, lse, plan, scale)
             dq += dq_b
@@ -317,28 +335,31 @@ def _ring_backward(dout, q, k, v, out, lse, layout: RingLayout, scale: float, ke
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, scale, kernel):
-        out, lse = _ring_forward(q, k, v, layout, scale, kernel)
+    def forward(ctx, q, k, v, layout, scale, kernel, window):
+        out, lse = _ring_forward(q, k, v, layout, scale, kernel, window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.scale, ctx.kernel = layout, scale, kernel
+        ctx.layout, ctx.scale, ctx.kernel, ctx.window = layout, scale, kernel, window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.layout, ctx.scale, ctx.kernel)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.layout, ctx.scale, ctx.kernel,
+                                    ctx.window)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: float | None = None,
-                   kernel=None) -> Tensor:
+                   kernel=None, window: int | None = None) -> Tensor:
     """Causal, per-sample attention of this rank's slice against the whole packed row.
 
     Args:
         q: [Hq, L, D] this slice's queries; k, v: [Hkv, L, D] its keys and values (Hq % Hkv == 0).
         layout: the ring and the row's sequence ids (:class:`RingLayout`); L == layout.local_len.
         scale: softmax scale (default ``D ** -0.5``).
-        kernel: block kernel (default: flash-attention on CUDA when installed, else torch).
+        kernel: block kernel (default: flash-attention on CUDA when installed, else torch; with a
+            ``window``, torch).
+        window: sliding window (HF ``sliding_window``): keys less than ``window`` tokens back.
 
     Returns:
         [Hq, L, D] in q's dtype; differentiable in q, k and v (the backward runs a second ring, so
@@ -351,14 +372,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: f
     if length != layout.local_len:
         raise ValueError(f"the slice has {length} tokens but the layout gives {layout.local_len} per rank")
     scale = d ** -0.5 if scale is None else float(scale)
-    kernel = kernel or _default_kernel(q)
+    kernel = kernel or (TorchBlockKernel() if window is not None else _default_kernel(q))
     groups = hq // hk
     stride = layout.head_stride if 0 < layout.head_stride < hk else hk
     parts = []
     for h in range(0, hk, stride):
         h_end = min(h + stride, hk)
         parts.append(_RingAttention.apply(q[h * groups : h_end * groups].contiguous(), k[h:h_end].contiguous(),
-                                          v[h:h_end].contiguous(), layout, scale, kernel))
+                                          v[h:h_end].contiguous(), layout, scale, kernel, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -390,11 +411,10 @@ def hf_ring_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         raise ValueError(f"ring attention takes one packed row (got a batch of {query.shape[0]})")
     if dropout and module.training:
         raise ValueError(f"ring attention has no attention dropout (got {dropout})")
-    for name in ("sliding_window", "softcap"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"ring attention does not implement {name} (got {kwargs[name]!r})")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"ring attention does not implement softcap (got {kwargs['softcap']!r})")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ring_attention(query[0], key[0], value[0], layout, scale)
+    out = ring_attention(query[0], key[0], value[0], layout, scale, window=kwargs.get("sliding_window"))
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 

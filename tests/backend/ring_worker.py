@@ -29,23 +29,25 @@ def packed_batch(vocab: int, seed: int = 0):
     return {"input_ids": ids, "position_ids": pos, "loss_mask": loss_mask, "seq_lens": LENGTHS}
 
 
-def block_causal_sdpa(q, k, v, lengths):
-    """Reference: full row, SDPA with a block-diagonal causal mask, GQA by repeating K/V."""
+def block_causal_sdpa(q, k, v, lengths, window=None):
+    """Reference: full row, SDPA with a block-diagonal causal mask (and sliding window), GQA by repeating K/V."""
     groups = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     n = seq.numel()
     allowed = (seq[:, None] == seq[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= (torch.arange(n)[:, None] - torch.arange(n)[None, :]) < window
     return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed)[0]
 
 
 def attention_cases(ring, results):
     n = sum(LENGTHS)
-    for hq, hk, stride in [(4, 2, 0), (4, 2, 1), (4, 4, 0), (6, 3, 2)]:
+    for hq, hk, stride, window in [(4, 2, 0, None), (4, 2, 1, None), (4, 4, 0, None), (6, 3, 2, None), (4, 2, 0, 3)]:
         g = torch.Generator().manual_seed(hq * 10 + hk)
         q, k, v = (torch.randn(h, n, 32, generator=g, requires_grad=True) for h in (hq, hk, hk))
         w = torch.randn(hq, n, 32, generator=g)
-        ref = block_causal_sdpa(q, k, v, LENGTHS)
+        ref = block_causal_sdpa(q, k, v, LENGTHS, window)
         (ref * w).sum().backward()
         batch = {"input_ids": torch.zeros(1, n, dtype=torch.long), "position_ids": packed_batch(50)["position_ids"]}
         part = slice_packed(batch, dataclasses.replace(ring, head_stride=stride))
@@ -57,10 +59,10 @@ def attention_cases(ring, results):
             return padded[:, a : a + width].clone().requires_grad_(True)
 
         ql, kl, vl = local(q), local(k), local(v)
-        out = ring_attention(ql, kl, vl, part.layout, kernel=TorchBlockKernel())
+        out = ring_attention(ql, kl, vl, part.layout, kernel=TorchBlockKernel(), window=window)
         w_local = torch.cat([w, w.new_zeros(hq, width * ring.ring_size - n, 32)], 1)[:, a : a + width]
         (out * w_local).sum().backward()
-        name = f"attn_h{hq}_kv{hk}_stride{stride}"
+        name = f"attn_h{hq}_kv{hk}_stride{stride}" + (f"_window{window}" if window else "")
         gathered = [gather_ring(t.transpose(0, 1)[None].detach().contiguous(), ring)[0, :n].transpose(0, 1)
                     for t in (out, ql.grad, kl.grad, vl.grad)]
         for key, mine, theirs in zip(("out", "dq", "dk", "dv"), gathered, (ref, q.grad, k.grad, v.grad)):
@@ -110,13 +112,14 @@ FAMILIES = {  # transformers config class, fields beyond the shared tiny sizes
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "decoder_sparse_step": 1, "mlp_only_layers": []}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 512, "query_pre_attn_scalar": 32}),
+    # one sliding layer (window 4 < the samples' 6 tokens: it bites) and one full layer
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 4, "query_pre_attn_scalar": 32,
+                                         "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 
 def families_case(ring, results):
-    """Other HF families through the attention interface: log-probs equal the one-rank sdpa forward
-    (Gemma 3's sliding window is refused by name)."""
+    """Other HF families through the attention interface: log-probs equal the one-rank sdpa forward."""
     import transformers
 
     from rlhforge.models.forward import token_logprobs
