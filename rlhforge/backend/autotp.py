@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["autotp_ds_config", "tp_layout", "check_tp_size", "iter_gathered_weights"]
+__all__ = ["autotp_ds_config", "tp_layout", "check_tp_size", "iter_gathered_weights", "data_shard", "copies"]
 
 
 def autotp_ds_config(tp_size: int) -> dict:
@@ -64,3 +64,15 @@ def iter_gathered_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.
             yield from walk(child, f"{prefix}{name}.")
 
     yield from walk(module, "")
+
+
+def data_shard(strategy) -> tuple[int, int]:
+    """``(data rank, data ranks)`` of any strategy: with AutoTP the ranks of one tensor-parallel group
+    share a data shard; otherwise every rank is its own."""
+    return getattr(strategy, "dp_rank", strategy.rank), getattr(strategy, "dp_size", strategy.world_size)
+
+
+def copies(strategy) -> int:
+    """How many ranks hold each sample (the tensor-parallel size): a sum over all ranks of per-sample
+    statistics counts each sample this many times."""
+    return getattr(strategy, "tp_size", 1)

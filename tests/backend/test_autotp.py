@@ -95,3 +95,39 @@ def test_sft_cli_with_autotp_on_two_ranks_matches_one(tiny_model_dir, tmp_path):
     for name in w1:  # the export gathers the split layers; Adam steps of ~1e-3 leave float noise far below
         assert w2[name].shape == w1[name].shape, name
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-5, msg=name)
+
+
+PAIRS = ["--data.dataset", "builtin:arithmetic_preference?n=32", "--eval.dataset",
+         "builtin:arithmetic_preference?n=8@test", "--data.prompt_key", "prompt", "--train.batch_size", "8",
+         "--train.micro_batch_size", "4", "--ds.strategy", "deepspeed", "--ds.zero_stage", "1",
+         "--logger.progress_bar", "off", "--train.max_steps", "2"]
+
+
+@pytest.mark.parametrize("command, lr", [("train_dpo", "5e-3"), ("train_rm", "2e-3")], ids=["dpo", "rm"])
+def test_preference_cli_with_autotp_on_two_ranks_matches_one(tiny_model_dir, tmp_path, command, lr):
+    """dpo (separate reference model) and rm with --ds.tensor_parallel_size 2 on 2 ranks: per-step loss,
+    accuracy, pair counts and the eval loss equal one DeepSpeed rank."""
+    import importlib
+    import json
+
+    main = importlib.import_module(f"rlhforge.cli.{command}").main
+    base = ["--model.model_name_or_path", str(tiny_model_dir), *PAIRS, "--adam.lr", lr, "--eval.steps", "2"]
+    single, tp = tmp_path / "single", tmp_path / "tp"
+    assert main([*base, "--ckpt.output_dir", str(single)]) == 0
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(29950 + os.getpid() % 40), "-m", f"rlhforge.cli.{command}", *base, "--ckpt.output_dir", str(tp),
+           "--ds.tensor_parallel_size", "2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    def rows(d):
+        return {(r["step"], k): v for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                for k, v in r.items() if k in ("train/loss", "train/acc", "train/pairs", "eval/loss", "eval/pairs")}
+
+    a, b = rows(single), rows(tp)
+    assert a.keys() == b.keys() and (2, "eval/loss") in a and a[(1, "train/pairs")] == 8
+    if command == "train_dpo":  # step 1: policy = reference, every margin is 0 up to float noise (acc = ties)
+        a = {k: v for k, v in a.items() if k[1] != "train/acc"}
+    for key, value in a.items():
+        assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
