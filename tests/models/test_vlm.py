@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from rlhforge.config.components import DSConfig, LoraConfig, ModelConfig
-from rlhforge.data.images import collate_vlm
+from rlhforge.data.images import collate_vlm, place_images
+from rlhforge.data.records import RecordRef
 from rlhforge.data.vlm_sft import build_vlm_sft_samples
 from rlhforge.models.forward import token_logprobs
 from rlhforge.models.vlm import (freeze_vision_tower, is_vlm, language_model_lora_targets, load_processor, load_vlm,
@@ -188,3 +189,26 @@ def test_tiny_model_cli_builds_the_same_vlm(vlm_dirs, tmp_path, capsys):
     a, b = load_file(vlm_dirs["qwen2_vl"] / "model.safetensors"), load_file(tmp_path / "m" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same seed, same weights
     assert type(AutoModelForImageTextToText.from_pretrained(tmp_path / "m")).__name__ == "Qwen2VLForConditionalGeneration"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_samples_equal_the_hf_processor_output(vlm_dirs, arch, monkeypatch):
+    """Independent reference: transformers' own Qwen2-VL / Qwen2.5-VL processor on the rendered text.
+    It cannot be built here without torchvision (its video processor); only its class check is
+    switched off for this test, and no video is processed."""
+    import transformers
+    from transformers import ProcessorMixin
+
+    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
+    mine = load_processor(str(vlm_dirs[arch]))
+    cls = getattr(transformers, {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[arch])
+    hf = cls(image_processor=mine.image_processor, tokenizer=mine.tokenizer, video_processor=None,
+             chat_template=mine.tokenizer.chat_template)
+    for record in _records():
+        sample = build_vlm_sft_samples([record], mine)[0]
+        messages = place_images(record["messages"], len(record["images"]), RecordRef("<dataset>", 0), "messages")
+        ref = hf(text=[hf.apply_chat_template(messages, tokenize=False)], images=record["images"], return_tensors="pt")
+        assert ref["input_ids"][0].tolist() == sample.input_ids
+        assert torch.equal(ref["pixel_values"], sample.pixel_values)
+        assert torch.equal(ref["image_grid_thw"], sample.image_grid_thw)
+        assert ref["mm_token_type_ids"][0].tolist() == [int(t == mine.image_token_id) for t in sample.input_ids]
