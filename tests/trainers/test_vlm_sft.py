@@ -155,3 +155,14 @@ def test_vlm_sft_zero3_two_processes_matches_one(tiny_vlm_dir, tmp_path):
     tower = [k for k in before if k.startswith(("visual.", "model.visual."))]
     assert tower and all(torch.equal(before[k], two[k]) for k in tower)
     assert max((one[k] - two[k]).abs().max().item() for k in before) < 1e-4
+
+
+def test_vlm_gradient_checkpointing_gives_the_same_losses(tiny_vlm_dir, tmp_path):
+    data = write_colour_data(tmp_path / "data", n=12)
+    runs = {}
+    for name, extra in (("plain", []), ("gc", ["--model.gradient_checkpointing_enable"])):
+        out = tmp_path / name
+        assert sft_main(_args(tiny_vlm_dir, data, out, "--train.max_epochs", "1", "--logger.logging_steps", "1",
+                              *extra)) == 0
+        runs[name] = [json.loads(x)["train/loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(runs["plain"]) == 2 and runs["gc"] == pytest.approx(runs["plain"], abs=1e-5)
