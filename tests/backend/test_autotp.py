@@ -1,5 +1,6 @@
 """--ds.tensor_parallel_size: DeepSpeed AutoTP on 2 gloo ranks (tensor-parallel 2, data-parallel 1)
-gives the 1-rank loss and gradients, and the same weights after two optimizer steps."""
+gives the 1-rank loss and gradients, and the same weights after two optimizer steps; the sft, dpo and
+rm commands under torchrun with --ds.tensor_parallel_size 2 match one rank (ZeRO-1 there)."""
 
 import os
 import subprocess
@@ -24,9 +25,10 @@ def _run(model_dir, out, nproc, specs):
     return torch.load(out, weights_only=False)
 
 
+@pytest.mark.slow
 def test_two_rank_autotp_equals_one_rank(tiny_model_dir, tmp_path):
-    one = _run(tiny_model_dir, tmp_path / "one.pt", 1, ["0:1", "1:1"])
-    two = _run(tiny_model_dir, tmp_path / "two.pt", 2, ["0:2", "1:2"])
+    one = _run(tiny_model_dir, tmp_path / "one.pt", 1, ["0:1"])
+    two = _run(tiny_model_dir, tmp_path / "two.pt", 2, ["0:2"])
     ref, tp = one["0:1"], two["0:2"]
     assert tp["dp"] == (0, 1) and tp["grad_accum"] == 4  # 8 samples / (2 per micro-batch x 1 data-parallel rank)
     # the decoder's linear layers are split in two (column-parallel q/k/v/gate/up, row-parallel o/down)
@@ -37,7 +39,7 @@ def test_two_rank_autotp_equals_one_rank(tiny_model_dir, tmp_path):
     for n in split:
         assert sorted(a // b for a, b in zip(full[n], local[n])) == [1, 2], n
     assert 3.0 < ref["losses"][0] < 10.0
-    for spec_one, spec_two in (("0:1", "0:2"), ("1:1", "1:2")):
+    for spec_one, spec_two in (("0:1", "0:2"),):
         assert two[spec_two]["losses"] == pytest.approx(one[spec_one]["losses"], rel=1e-5), spec_two
         for name, value in one[spec_one]["state"].items():  # gathered by the strategy (HF export / weight sync)
             # Adam's m / sqrt(v) turns the ~1e-8 gradient differences of near-zero gradient entries into
@@ -59,6 +61,7 @@ def test_layout_arithmetic():
     check_tp_size(2, 4, 2)
 
 
+@pytest.mark.slow
 def test_sft_cli_with_autotp_on_two_ranks_matches_one(tiny_model_dir, tmp_path):
     """--ds.tensor_parallel_size 2 through the real SFT command (torchrun, 2 gloo ranks = 1 data-parallel
     x 2 tensor-parallel): the loss curve, gradient norms and exported weights equal one DeepSpeed rank."""
@@ -103,6 +106,7 @@ PAIRS = ["--data.dataset", "builtin:arithmetic_preference?n=32", "--eval.dataset
          "--logger.progress_bar", "off", "--train.max_steps", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command, lr", [("train_dpo", "5e-3"), ("train_rm", "2e-3")], ids=["dpo", "rm"])
 def test_preference_cli_with_autotp_on_two_ranks_matches_one(tiny_model_dir, tmp_path, command, lr):
     """dpo (separate reference model) and rm with --ds.tensor_parallel_size 2 on 2 ranks: per-step loss,

@@ -25,6 +25,7 @@ def _run(tiny_model_dir, root, out, stages, mode, nproc):
     return torch.load(out, weights_only=False)
 
 
+@pytest.mark.slow
 def test_two_rank_zero_checkpoints_resume_on_one_rank(tiny_model_dir, tmp_path):
     root = tmp_path / "ckpt"
     saved_runs = _run(tiny_model_dir, root, tmp_path / "train.pt", "2,3", "train", 2)
