@@ -37,3 +37,34 @@ def test_ring_actor_matches_one_rank(tiny_model_dir, tmp_path):
     assert ring["grads"].keys() == one["grads"].keys() and len(one["grads"]) > 10
     for name, g in one["grads"].items():
         torch.testing.assert_close(ring["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+RL = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "builtin:arithmetic", "--reward.remote_url",
+      "builtin:arithmetic", "--rollout.batch_size", "4", "--train.batch_size", "4", "--train.micro_batch_size", "4"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--ds.ring_attn_size", "2", "--ds.packing_samples"], "actor ranks, which are Ray workers"),
+    (["--ds.ring_attn_size", "2", "--actor.num_gpus_per_node", "2"], "needs --ds.packing_samples"),
+    (["--ds.ring_attn_size", "2", "--actor.num_gpus_per_node", "3", "--ds.packing_samples"],
+     "ring_attn_size 2 must divide the 3 training ranks"),
+    (["--ds.ring_attn_size", "2", "--actor.num_gpus_per_node", "2", "--ds.packing_samples", "--train.routing_replay"],
+     "routing_replay cannot be combined"),
+])
+def test_rl_ring_attention_refusals(extra, message):
+    from rlhforge.cli.train_ppo_ray import parse_rl_args
+    from rlhforge.config.parsing import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_rl_args([*RL, *extra])
+
+
+def test_rl_ring_batch_arithmetic_uses_the_data_parallel_size():
+    """2 actor workers in one ring are 1 data-parallel rank: a batch of 4 in micro-batches of 4 is fine
+    (it would not be over 2 data-parallel ranks)."""
+    from rlhforge.cli.train_ppo_ray import parse_rl_args
+    from rlhforge.config.parsing import ConfigError
+
+    parse_rl_args([*RL, "--ds.ring_attn_size", "2", "--actor.num_gpus_per_node", "2", "--ds.packing_samples"])
+    with pytest.raises(ConfigError, match=r"micro_batch_size x actor workers \(4 x 2 = 8\)"):
+        parse_rl_args([*RL, "--actor.num_gpus_per_node", "2", "--ds.packing_samples"])
