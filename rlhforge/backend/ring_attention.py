@@ -325,8 +325,9 @@ def _ring_backward(dout, q, k, v, out, lse, layout: RingLayout, scale: float, ke
             dq += dq_b
             dkv[0] += dk_b
             dkv[1] += dv_b
-        greqs, dkv = _exchange(dkv, layout)  # the gradient travels with its block; after n hops it is home
-        _wait(greqs)
+        if n > 1:  # the gradient travels with its block; after n hops it is home
+            greqs, dkv = _exchange(dkv, layout)
+            _wait(greqs)
         if nxt is not None:
             _wait(reqs)
             kv = nxt
