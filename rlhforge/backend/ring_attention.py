@@ -385,12 +385,18 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, layout: RingLayout, scale: f
 
 
 _ACTIVE: list[RingLayout] = []
+_LAST: list[RingLayout] = []  # the layout of the last forward, for recomputation in its backward
 
 
 @contextlib.contextmanager
 def ring_layout_active(layout: RingLayout) -> Iterator[RingLayout]:
-    """Model forwards inside this block use ``layout`` in their ring-attention layers."""
+    """Model forwards inside this block use ``layout`` in their ring-attention layers.
+
+    The layout also stays the "last" one after the block: gradient checkpointing re-runs the
+    forward during the backward, outside the block, and then uses it (the backward of a micro-batch
+    always follows its own forward)."""
     _ACTIVE.append(layout)
+    _LAST[:] = [layout]
     try:
         yield layout
     finally:
@@ -398,10 +404,13 @@ def ring_layout_active(layout: RingLayout) -> Iterator[RingLayout]:
 
 
 def active_ring_layout() -> RingLayout:
-    if not _ACTIVE:
-        raise RuntimeError(f"attn_implementation={RING_ATTN_IMPL!r} needs a ring layout: run the forward inside "
-                           "rlhforge.backend.ring_attention.ring_layout_active(...) (context_parallel.ring_forward does)")
-    return _ACTIVE[-1]
+    if _ACTIVE:
+        return _ACTIVE[-1]
+    if _LAST and torch.is_grad_enabled():  # a checkpointed layer recomputed in the backward
+        return _LAST[0]
+    raise RuntimeError(f"attn_implementation={RING_ATTN_IMPL!r} needs a ring layout: run the forward inside "
+                       "rlhforge.backend.ring_attention.ring_layout_active(...) (context_parallel."
+                       "ring_token_logprobs does)")
 
 
 def hf_ring_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout=0.0,

@@ -32,7 +32,8 @@ def test_sft_ring_attention_two_ranks_match_one(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(32000 + os.getpid() % 1000), "-m", "rlhforge.cli.train_sft",
            *sft_args(tiny_model_dir, data, ring, *common, *strategy, "--ds.ring_attn_size", "2",
-                     "--ds.ring_attn_head_stride", "1")]
+                     "--ds.ring_attn_head_stride", "1",
+                     "--model.gradient_checkpointing_enable")]  # recomputed layers find the ring layout
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "16 train / 4 eval" in proc.stdout and "1 data-parallel x 2 ring-attention" in proc.stdout
