@@ -23,6 +23,8 @@ def deepspeed_config(ds_cfg, optim_cfg, dtype: torch.dtype, micro_batch_size: in
     }
     if ds_cfg.zpg > 1:
         zero["zero_hpz_partition_size"] = ds_cfg.zpg
+    if optim_cfg.name == "muon" and ds_cfg.zero_stage == 3:
+        zero["reduce_scatter"] = False  # DeepSpeed's ZeRO-3 Muon gathers whole gradients instead
     if ds_cfg.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {
@@ -38,6 +40,12 @@ def deepspeed_config(ds_cfg, optim_cfg, dtype: torch.dtype, micro_batch_size: in
     }
     if ds_cfg.grad_accum_dtype:
         config["data_types"] = {"grad_accum_dtype": ds_cfg.grad_accum_dtype}
+    if getattr(ds_cfg, "deepcompile", False):  # GPU only (refused on CPU in config/validation.py)
+        config["compile"] = {"deepcompile": True}
+    if getattr(ds_cfg, "tensor_parallel_size", 1) > 1:  # AutoTP (backend/autotp.py)
+        from rlhforge.backend.autotp import autotp_ds_config
+
+        config["tensor_parallel"] = autotp_ds_config(ds_cfg.tensor_parallel_size)
     return config
 
 
@@ -51,6 +59,12 @@ class DeepSpeedStrategy:
         self.dtype = resolve_dtype(ds_cfg.param_dtype, self.device)
         self.ds_cfg, self.optim_cfg = ds_cfg, optim_cfg
         self.batch_plan = batch_plan
+        from rlhforge.backend.autotp import check_tp_size, tp_layout
+
+        self.tp_size = getattr(ds_cfg, "tensor_parallel_size", 1)
+        check_tp_size(self.tp_size, self.world_size, ds_cfg.zero_stage)
+        # ranks of one AutoTP group see the same samples: data shards are by data-parallel rank
+        self.dp_rank, self.dp_size = tp_layout(self.rank, self.world_size, self.tp_size)
         if self.world_size == 1:  # one plain process: a one-rank group on a free local port (no MPI discovery)
             single_process_env()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
@@ -63,7 +77,14 @@ class DeepSpeedStrategy:
     def prepare(self, model: torch.nn.Module, total_steps: int) -> torch.nn.Module:
         import deepspeed
 
-        if self.ds_cfg.adam_offload:
+        if self.optim_cfg.name == "muon":
+            if self.ds_cfg.adam_offload:
+                raise ValueError("--ds.adam_offload with Muon: rlhforge builds DeepSpeed's MuonWithAuxAdam without "
+                                 "a CPU optimizer; drop --ds.adam_offload or use adam")
+            from rlhforge.backend.optim import deepspeed_muon_optimizer
+
+            optimizer = deepspeed_muon_optimizer(model, self.optim_cfg)  # ZeRO orthogonalises whole matrices
+        elif self.ds_cfg.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             a = self.optim_cfg.adam
@@ -79,6 +100,8 @@ class DeepSpeedStrategy:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
+        if getattr(self.ds_cfg, "deepcompile", False):
+            self.engine.compile()
         return self.engine
 
     @property
@@ -122,6 +145,13 @@ class DeepSpeedStrategy:
 
         module = self.engine.module
         out = {} if self.is_rank0 else None
+        if self.tp_size > 1:  # AutoTP: gather each split layer in turn
+            from rlhforge.backend.autotp import iter_gathered_weights
+
+            for name, tensor in iter_gathered_weights(module):
+                if out is not None:
+                    out[name] = tensor.to("cpu", torch.float32 if tensor.is_floating_point() else None, copy=True)
+            return out
         if self.ds_cfg.zero_stage == 3:
             for name, param in module.named_parameters():
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
@@ -143,6 +173,11 @@ class DeepSpeedStrategy:
 
     def iter_full_weights(self):
         module = self.engine.module
+        if self.tp_size > 1:
+            from rlhforge.backend.autotp import iter_gathered_weights
+
+            yield from iter_gathered_weights(module)
+            return
         if self.ds_cfg.zero_stage != 3:
             yield from module.state_dict().items()
             return
@@ -160,11 +195,25 @@ class DeepSpeedStrategy:
         self.engine.save_checkpoint(str(directory), tag="deepspeed")
 
     def load_state(self, directory: Path) -> None:
+        """With ``--ds.use_universal_ckpt`` a checkpoint saved on another number of ranks is converted
+        to DeepSpeed's universal format once and loaded with ``load_universal`` (backend/universal_ckpt.py)."""
+        from rlhforge.backend import universal_ckpt
+
+        if self.ds_cfg.use_universal_ckpt:
+            tag = universal_ckpt.load_tag(directory, self.world_size, self.is_rank0, self.barrier)
+        elif universal_ckpt.needs_universal(directory, self.world_size):
+            saved = universal_ckpt.saved_dp_world_size(Path(directory) / universal_ckpt.NATIVE_TAG)
+            raise RuntimeError(f"{directory}: saved by {saved} ranks, loading on {self.world_size}; resume on "
+                               f"{saved} ranks or pass --ds.use_universal_ckpt to re-partition it")
+        else:
+            tag = universal_ckpt.NATIVE_TAG
+        # DeepSpeed reads the choice from its config at load time; it is made per checkpoint here
+        self.engine._config.load_universal_checkpoint = tag == universal_ckpt.UNIVERSAL_TAG
         path, _ = self.engine.load_checkpoint(
-            str(directory), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=True
+            str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if path is None:
-            raise FileNotFoundError(f"{directory}/deepspeed: no DeepSpeed checkpoint could be loaded")
+            raise FileNotFoundError(f"{directory}/{tag}: no DeepSpeed checkpoint could be loaded")
 
     def train(self) -> None:
         self.engine.train()

@@ -20,7 +20,7 @@ class TinyModelArgs:
     out: str
     """Output folder (loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained)."""
     arch: str = "llama"
-    """Model family: llama, qwen2, qwen3, gemma3_text, mistral, phi3, qwen3_moe, mixtral."""
+    """Model family: llama, qwen2, qwen3, gemma3_text, mistral, phi3, qwen3_moe, mixtral; vision-language: qwen2_vl, qwen2_5_vl."""
     seed: int = 0
     """Seed for the weights and the tokenizer corpus; the same seed gives the same files."""
     spec: TinyModelSpec = field(default_factory=TinyModelSpec)
@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge tiny-model") -> in
     from rlhforge.models.tiny import build_tiny_model, check_arch
 
     args = tyro.cli(TinyModelArgs, args=argv, prog=prog, use_underscores=True)
+    from rlhforge.models.tiny_vlm import build_tiny_vlm, is_vlm_arch
+
+    if is_vlm_arch(args.arch):  # vision-language families (docs/vlm.md); the text spec does not apply
+        path = build_tiny_vlm(args.out, arch=args.arch, seed=args.seed)
+        print(f"[rlhforge] tiny {args.arch} vision-language model + processor written to {path}")
+        return 0
     try:
         check_arch(args.arch)
     except ValueError as err:

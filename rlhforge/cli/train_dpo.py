@@ -27,7 +27,7 @@ DPO_LEGACY_ALIASES: dict[str, str] = {
 }
 
 
-def load_reference_model(cfg: DPOConfig, strategy):
+def load_reference_model(cfg: DPOConfig, strategy, vlm: bool = False):
     """The frozen reference policy, or None when it is the LoRA policy with its adapter disabled."""
     import torch
 
@@ -40,7 +40,12 @@ def load_reference_model(cfg: DPOConfig, strategy):
     model_cfg = dataclasses.replace(cfg.model, gradient_checkpointing_enable=False)
     ds_cfg = dataclasses.replace(cfg.ds, lora=LoraConfig(rank=0), load_in_4bit=False)
     device = torch.device("cpu") if cfg.ref.offload else strategy.device
-    ref = load_causal_lm(path, model_cfg, ds_cfg, device)
+    if vlm:  # a vision-language policy (docs/vlm.md)
+        from rlhforge.cli.vlm import load_vlm_reference
+
+        ref = load_vlm_reference(path, model_cfg, ds_cfg, device)
+    else:
+        ref = load_causal_lm(path, model_cfg, ds_cfg, device)
     ref = ref.to(device=device, dtype=strategy.dtype)
     return ref
 
@@ -56,15 +61,26 @@ def run(cfg: DPOConfig) -> Path:
     from rlhforge.tracking.metrics import MetricsLogger
 
     seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
-    tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
-                               use_fast=not cfg.data.disable_fast_tokenizer)
-    train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=False, use_margin=False)
+    from rlhforge.cli.vlm import load_vlm_model, load_vlm_preference_data, vlm_setup
+
+    processor = vlm_setup(cfg)  # a vision-language model: tokenizer + image processor (docs/vlm.md)
+    if processor is not None:
+        tokenizer = processor
+        train_samples, eval_samples = load_vlm_preference_data(cfg, processor)
+    else:
+        tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
+                                   use_fast=not cfg.data.disable_fast_tokenizer)
+        train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=False, use_margin=False)
     plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
-                        micro_batch_size=cfg.train.micro_batch_size, world_size=dist_info().world_size,
+                        micro_batch_size=cfg.train.micro_batch_size,
+                        world_size=dist_info().world_size // max(cfg.ds.tensor_parallel_size, 1),  # AutoTP: dp ranks
                         max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps)
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
-    model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
-    ref_model = load_reference_model(cfg, strategy)
+    if processor is not None:
+        model = load_vlm_model(cfg, strategy.device)
+    else:
+        model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
+    ref_model = load_reference_model(cfg, strategy, vlm=processor is not None)
     wrapped = strategy.prepare(model, plan.total_steps)
     reference = Reference(strategy, wrapped, ref_model, offload=cfg.ref.offload)
     out = Path(cfg.ckpt.output_dir)

@@ -125,8 +125,9 @@ def build_trainer(cfg: RLConfig):
         raise ConfigError(f"--eval.dataset {cfg.eval.dataset} has no prompts")
     plan = plan_rl_batches(
         rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-        train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
+        train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.planned_micro_batch_size,
         rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=world, num_prompts=len(prompts),
+        ring_size=cfg.ds.ring_attn_size,  # the actor data-parallel size is world / ring
         num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps,
     )
     placement = reward_group = None

@@ -64,7 +64,8 @@ def run(cfg: RMConfig) -> Path:
     train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=True,
                                                        use_margin=cfg.model.margin_loss_enable)
     plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
-                        micro_batch_size=cfg.train.micro_batch_size, world_size=dist_info().world_size,
+                        micro_batch_size=cfg.train.micro_batch_size,
+                        world_size=dist_info().world_size // max(cfg.ds.tensor_parallel_size, 1),  # AutoTP: dp ranks
                         max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps)
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
     model = load_reward_model(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device,

@@ -43,24 +43,43 @@ def run(cfg: SFTConfig) -> Path:
     from rlhforge.tracking.metrics import MetricsLogger
 
     seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
-    tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
-                               use_fast=not cfg.data.disable_fast_tokenizer)
-    train_samples, eval_samples = load_sft_data(cfg, tokenizer)
+    from rlhforge.cli.vlm import load_vlm_model, load_vlm_sft_data, vlm_setup
+
+    processor = vlm_setup(cfg)  # a vision-language model: tokenizer + image processor (docs/vlm.md)
+    if processor is not None:
+        tokenizer = processor
+        train_samples, eval_samples = load_vlm_sft_data(cfg, processor)
+    else:
+        tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
+                                   use_fast=not cfg.data.disable_fast_tokenizer)
+        train_samples, eval_samples = load_sft_data(cfg, tokenizer)
+    ring_size = cfg.ds.ring_attn_size
     plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
-                        micro_batch_size=cfg.train.micro_batch_size, world_size=dist_info().world_size,
-                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps)
+                        micro_batch_size=cfg.train.micro_batch_size,
+                        world_size=dist_info().world_size // max(cfg.ds.tensor_parallel_size, 1),  # AutoTP: dp ranks
+                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps, ring_size=ring_size)
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
-    model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
+    if processor is not None:
+        model = load_vlm_model(cfg, strategy.device)
+    else:
+        model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
+    ring = None
+    if ring_size > 1:
+        from rlhforge.backend.context_parallel import new_ring_group, use_ring_attention
+
+        ring = new_ring_group(ring_size, cfg.ds.ring_attn_head_stride)
+        use_ring_attention(model)
     wrapped = strategy.prepare(model, plan.total_steps)
     out = Path(cfg.ckpt.output_dir)
     if strategy.is_rank0:
         save_yaml(cfg, out / "config.yaml")
         print(f"[rlhforge] sft: {len(train_samples)} train / {len(eval_samples)} eval samples, "
-              f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s), "
+              f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s)"
+              f"{f' as {plan.world_size} data-parallel x {ring_size} ring-attention' if ring else ''}, "
               f"grad accumulation {plan.grad_accum_steps}, {type(strategy).__name__} on {strategy.device}")
     logger = MetricsLogger(out, cfg.logger, enabled=strategy.is_rank0, config=to_dict(cfg))
     try:
-        SFTTrainer(cfg, strategy, wrapped, tokenizer, train_samples, eval_samples, plan, logger).fit()
+        SFTTrainer(cfg, strategy, wrapped, tokenizer, train_samples, eval_samples, plan, logger, ring=ring).fit()
     finally:
         logger.close()
     return out

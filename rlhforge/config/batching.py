@@ -16,6 +16,7 @@ class BatchPlan:
     batch_size: int
     """Samples per optimizer step, all ranks together."""
     world_size: int
+    """Data-parallel ranks (ranks / ``ds.ring_attn_size``: the ranks of one ring share their samples)."""
     micro_batch_size: int
     """Samples per micro-batch on one device (upper bound when a token budget is used)."""
     per_rank_batch: int
@@ -29,9 +30,18 @@ class BatchPlan:
 
 
 def plan_batches(
-    *, num_samples: int, batch_size: int, micro_batch_size: int, world_size: int, max_epochs: int, max_steps: int = -1
+    *, num_samples: int, batch_size: int, micro_batch_size: int, world_size: int, max_epochs: int, max_steps: int = -1,
+    ring_size: int = 1,
 ) -> BatchPlan:
-    """Derive gradient accumulation and step counts, or fail showing the arithmetic."""
+    """Derive gradient accumulation and step counts, or fail showing the arithmetic.
+
+    ``world_size`` ranks in rings of ``ring_size`` (``--ds.ring_attn_size``) are ``world_size / ring_size``
+    data-parallel ranks: that is what the batch is divided by."""
+    if ring_size < 1 or world_size % ring_size:
+        raise ConfigError(f"--ds.ring_attn_size {ring_size} must divide the {world_size} training ranks")
+    ranks = f"{world_size // ring_size} data-parallel ranks ({world_size} ranks / ring {ring_size})" \
+        if ring_size > 1 else f"{world_size} ranks"
+    world_size //= ring_size
     if batch_size <= 0 or micro_batch_size <= 0:
         raise ConfigError(
             f"train.batch_size ({batch_size}) and train.micro_batch_size ({micro_batch_size}) must be positive"
@@ -39,7 +49,7 @@ def plan_batches(
     if batch_size % (micro_batch_size * world_size):
         raise ConfigError(
             f"train.batch_size {batch_size} is not divisible by train.micro_batch_size {micro_batch_size} x "
-            f"{world_size} ranks = {micro_batch_size * world_size}"
+            f"{ranks} = {micro_batch_size * world_size}"
         )
     per_rank = batch_size // world_size
     steps_per_epoch = num_samples // batch_size
@@ -87,11 +97,17 @@ class RLBatchPlan:
 def plan_rl_batches(
     *, rollout_batch_size: int, n_samples_per_prompt: int, train_batch_size: int, micro_batch_size: int,
     rollout_micro_batch_size: int, world_size: int, num_prompts: int | None, num_episodes: int = 1,
-    max_epochs: int = 1, max_steps: int = -1,
+    max_epochs: int = 1, max_steps: int = -1, ring_size: int = 1,
 ) -> RLBatchPlan:
     """RL counterpart of :func:`plan_batches`: ``rollout.batch_size x n_samples_per_prompt`` samples per
     RL step are cut into optimizer steps of ``train.batch_size`` samples, each of ``micro_batch_size x
-    world_size x grad_accum`` samples. Fails showing the arithmetic."""
+    world_size x grad_accum`` samples (``world_size / ring_size`` data-parallel actor ranks with
+    ``--ds.ring_attn_size``). Fails showing the arithmetic."""
+    if ring_size < 1 or world_size % ring_size:
+        raise ConfigError(f"--ds.ring_attn_size {ring_size} must divide the {world_size} actor ranks")
+    ranks = f"{world_size // ring_size} data-parallel ranks ({world_size} ranks / ring {ring_size})" \
+        if ring_size > 1 else f"{world_size} ranks"
+    world_size //= ring_size
     for name, value in (("rollout.batch_size", rollout_batch_size), ("rollout.n_samples_per_prompt", n_samples_per_prompt),
                         ("train.batch_size", train_batch_size), ("train.micro_batch_size", micro_batch_size),
                         ("rollout.micro_batch_size", rollout_micro_batch_size), ("train.max_epochs", max_epochs),
@@ -107,10 +123,10 @@ def plan_rl_batches(
     if train_batch_size % (micro_batch_size * world_size):
         raise ConfigError(
             f"train.batch_size {train_batch_size} is not divisible by train.micro_batch_size {micro_batch_size} x "
-            f"{world_size} ranks = {micro_batch_size * world_size}"
+            f"{ranks} = {micro_batch_size * world_size}"
         )
     if samples % world_size:
-        raise ConfigError(f"{samples} samples per step do not split over {world_size} ranks")
+        raise ConfigError(f"{samples} samples per step do not split over {ranks}")
     updates_per_epoch = samples // train_batch_size
     steps_per_episode = total = 0
     if num_prompts is not None:

@@ -27,7 +27,8 @@ class ModelConfig:
     gradient_checkpointing_reentrant: bool = False
     """Use the re-entrant implementation of activation checkpointing."""
     aux_loss_coef: float = 0.0
-    """Not supported yet: weight of the MoE load-balancing loss (must stay 0)."""
+    """MoE models (SFT, RM, DPO): weight of the router's load-balancing loss added to the loss, logged
+    as ``train/aux_loss`` (as OpenRLHF; 0: off; a dense model prints one notice)."""
     trust_remote_code: bool = False
     """Allow model code shipped with the checkpoint (``from_pretrained(trust_remote_code=...)``)."""
 
@@ -75,11 +76,15 @@ class DSConfig:
     """QLoRA: load the base model in 4 bits (bitsandbytes, CUDA only)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     use_universal_ckpt: bool = False
-    """Not supported yet: DeepSpeed universal checkpoints."""
+    """Resume a DeepSpeed ZeRO checkpoint on a different number of ranks: it is converted once to
+    DeepSpeed's universal format beside the native shards and loaded with ``load_universal``
+    (docs/parallelism.md). OpenRLHF only loads checkpoints converted by hand."""
     deepcompile: bool = False
-    """Not supported yet: DeepSpeed DeepCompile."""
+    """DeepSpeed DeepCompile (``compile: {deepcompile: true}`` and ``engine.compile()``), GPU only: refused on
+    CPU (DeepSpeed builds its ``dc`` op for CUDA/ROCm only)."""
     use_liger_kernel: bool = False
-    """Not supported yet: Liger kernels."""
+    """Liger's Triton kernels for the trained causal LM (``AutoLigerKernelForCausalLM``), GPU only (refused
+    on CPU; on GPU it needs ``pip install liger-kernel``)."""
     ring_attn_size: int = 1
     """Not supported yet: ring attention (must stay 1)."""
     ring_attn_head_stride: int = 1
@@ -87,7 +92,9 @@ class DSConfig:
     tensor_parallel_size: int = 1
     """Not supported yet: DeepSpeed AutoTP (must stay 1)."""
     experts_implementation: str | None = None
-    """Not supported yet: MoE experts implementation."""
+    """MoE models: transformers' experts kernel (``from_pretrained(experts_implementation=...)``):
+    eager, batched_mm, grouped_mm (CPU and GPU) or deepgemm, sonicmoe (CUDA). None: transformers'
+    default (grouped_mm where it can run, else eager)."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,20 @@ class DPOModelConfig(ModelConfig):
     """cDPO: probability eps in [0, 0.5) that a preference label is flipped (0 = plain DPO)."""
     nll_loss_coef: float = 0.0
     """Add ``coef * NLL`` of the chosen responses (token-averaged per pair; RPO)."""
+    freeze_visual_encoder: bool = False
+    """Vision-language models: keep the vision tower frozen (docs/vlm.md; OpenRLHF's DPO has no VLM
+    support). A text-only model refuses it."""
+
+
+@dataclass(frozen=True)
+class DPODataConfig(PreferenceDataConfig):
+    """Preference pairs; for vision-language models also the prompt's images (docs/vlm.md)."""
+
+    image_key: str = "images"
+    """Vision-language models: field with the pair's image(s) (paths relative to the dataset file, base64 /
+    ``data:`` URIs, ``datasets`` images), shown in the prompt of both sides. Ignored for a text-only model."""
+    max_images_per_prompt: int = 0
+    """Vision-language models: most images one pair may have (more is a data error); 0: no bound."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,7 @@ class DPOConfig:
 
     model: DPOModelConfig = field(default_factory=DPOModelConfig)
     ref: RefConfig = field(default_factory=RefConfig)
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    data: DPODataConfig = field(default_factory=DPODataConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(micro_batch_size=8, max_epochs=1))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(adam=AdamConfig(lr=1e-5)))
     ds: DSConfig = field(default_factory=DSConfig)
@@ -91,6 +105,9 @@ class DPOConfig:
                 f"--model.ipo_enable and --model.label_smoothing {m.label_smoothing} are exclusive: label "
                 "smoothing (cDPO) applies to the sigmoid DPO loss only"
             )
+        if self.data.max_images_per_prompt < 0:
+            raise ConfigError(f"--data.max_images_per_prompt must be >= 0 (got {self.data.max_images_per_prompt}; "
+                              "0: no bound)")
         if m.nll_loss_coef < 0:
             raise ConfigError(f"--model.nll_loss_coef must be >= 0 (got {m.nll_loss_coef})")
         if self.ref.offload and self.uses_adapter_reference:

@@ -4,7 +4,7 @@ Sections and flag names follow OpenRLHF's ``train_ppo_ray`` (``--actor.*``, ``--
 ``--ref.*``, ``--reward.*``, ``--vllm.*``, ``--rollout.*``, ``--train.*``, ``--algo.*``,
 ``--ds.*``, ``--data.*``, ``--eval.*``, ``--ckpt.*``, ``--logger.*``). Where our default differs
 from OpenRLHF's the field's docstring says so and ``docs/rl.md`` lists it. Flags of features not
-built yet (vLLM engines, Ray placement, async training, agents, VLM, EMA ...) are accepted by
+built yet (VLM, ...) are accepted by
 name and fail at start-up when set to anything but their default (``validate``), never silently.
 
 OpenRLHF 0.9's flat names (``--pretrain``, ``--rollout_batch_size``, ``--init_kl_coef`` ...) are
@@ -22,6 +22,7 @@ from rlhforge.config.components import (
     CkptConfig,
     DSConfig,
     LoggerConfig,
+    MuonConfig,
     OptimConfig,
 )
 from rlhforge.config.parsing import secret
@@ -34,9 +35,11 @@ from rlhforge.config.parsing import secret
 class _ModelOptim:
     """Optimiser block shared by actor and critic (``--actor.adam.lr``, ``--critic.max_norm`` ...)."""
 
-    optim: Literal["adam"] = "adam"
-    """Optimizer. AdamW (muon is not supported yet)."""
+    optim: Literal["adam", "muon"] = "adam"
+    """Optimizer: ``adam`` (AdamW) or ``muon`` (Newton-Schulz updates for 2-D hidden weights, AdamW with
+    the ``adam`` block for embeddings, heads and 1-D parameters; docs/optim.md)."""
     adam: AdamConfig = field(default_factory=AdamConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
     lr_scheduler: Literal["cosine_with_min_lr", "cosine", "constant", "constant_with_warmup", "linear"] = (
         "cosine_with_min_lr"
     )
@@ -60,7 +63,7 @@ class _ModelOptim:
     """Allow model code shipped with the checkpoint."""
 
     def optim_config(self) -> OptimConfig:
-        return OptimConfig(name=self.optim, adam=self.adam, lr_scheduler=self.lr_scheduler,
+        return OptimConfig(name=self.optim, adam=self.adam, muon=self.muon, lr_scheduler=self.lr_scheduler,
                            lr_warmup_ratio=self.lr_warmup_ratio, min_lr_ratio=self.min_lr_ratio, max_norm=self.max_norm)
 
 
@@ -87,7 +90,8 @@ class ActorConfig(_ModelOptim):
     entropy_coef: float | None = None
     """Entropy bonus coefficient (None or 0: entropy is logged only)."""
     aux_loss_coef: float = 0.0
-    """MoE load-balancing loss weight (not supported yet: must stay 0)."""
+    """MoE models: weight of the router's load-balancing loss added to the actor loss, logged as
+    ``actor/aux_loss`` (as OpenRLHF; 0: off; a dense model prints one notice)."""
     freeze_visual_encoder: bool = False
     """VLM only (not supported yet)."""
 
@@ -221,9 +225,13 @@ class RolloutConfig:
     generate_batch_size: int = 64
     """Sequences per batched ``generate`` call of the HF engine. rlhforge-specific."""
     vllm_generate_batch_size: int | None = None
-    """vLLM only (not built yet)."""
+    """Prompts per generation call (any engine; None: the prompts still missing from the step). Above
+    ``rollout.batch_size`` it oversamples: accepted groups beyond the step's ``batch_size`` are kept for
+    the next steps (with ``--algo.dynamic_filtering_enable``, fewer refill calls). OpenRLHF allows a
+    value above ``rollout.batch_size`` only with ``--train.async_enable``; here sync runs may use it too."""
     max_tokens_per_gpu: int | None = None
-    """Token budget of the log-prob passes (not supported yet: refused unless None)."""
+    """With ``--train.dynamic_batch_enable``: token budget per device of a no-grad micro-batch (old /
+    reference log-probs, values, reward-model scores); None: ``--train.max_tokens_per_gpu``."""
 
 
 # --------------------------------------------------------------------------------------------- loop
@@ -306,9 +314,11 @@ class RLTrainConfig:
     the sample (``error``) or restarts the trajectory from it (``new_segment``: only the last
     segment is trained on). rlhforge-specific."""
     dynamic_batch_enable: bool = False
-    """Token-budget micro-batches (not supported in RL yet)."""
+    """Token-budget micro-batches instead of ``micro_batch_size`` samples (needs ``--ds.packing_samples``):
+    each rank's share of a step is split into the max over the DP ranks of its first-fit count under
+    ``max_tokens_per_gpu``, balanced by length (docs/performance.md, "Dynamic batching")."""
     max_tokens_per_gpu: int = 16192
-    """Token budget for dynamic batching (not supported in RL yet: refused unless 16192)."""
+    """With ``--train.dynamic_batch_enable``: token budget per device of a training micro-batch."""
     plan_only: bool = False
     """Ray: build the placement groups, print the plan (bundles, GPU fractions, memory per device for
     every model and engine) and exit 0 without loading any weights. rlhforge-specific."""
@@ -317,9 +327,10 @@ class RLTrainConfig:
     for every token (the engine records them; docs/models.md). HF engine; vLLM where it returns
     routed experts (GPU). rlhforge-specific (veRL/slime's rollout routing replay; OpenRLHF has none)."""
     enable_ema: bool = False
-    """EMA of the actor weights (not built yet: refused)."""
+    """Keep an EMA of the actor's weights (updated after each optimizer step); the final export and
+    intermediate HF saves are the EMA, generation engines get the live weights (docs/optim.md)."""
     ema_beta: float = 0.992
-    """EMA decay (no effect, prints a notice: the EMA is not built)."""
+    """EMA decay: ``ema = beta * ema + (1 - beta) * weights`` (needs ``enable_ema``)."""
 
 
 @dataclass(frozen=True)
@@ -363,7 +374,8 @@ class KLConfig:
     use_loss: bool = False
     """Add ``init_coef * KL`` to the policy loss instead of penalising the reward (GRPO style)."""
     unbiased_gradient: bool = False
-    """Unbiased KL-loss gradient (not supported yet)."""
+    """With ``use_loss``: keep the KL term's value but back-propagate the importance-weighted reverse-KL
+    gradient ``min(pi/pi_old, 10) * (log pi - log pi_ref)`` per token (OpenRLHF PR 1309; docs/rl.md)."""
 
 
 @dataclass(frozen=True)
@@ -487,6 +499,23 @@ class RLConfig:
         from rlhforge.config.rl_rules import validate_rl
 
         validate_rl(self)
+
+    @property
+    def planned_micro_batch_size(self) -> int:
+        """Samples per micro-batch for the batch arithmetic and DeepSpeed's nominal config:
+        ``train.micro_batch_size``, or 1 with ``--train.dynamic_batch_enable`` (token budgets split the
+        steps then; OpenRLHF also sets DeepSpeed's micro-batch to 1 there)."""
+        return 1 if self.train.dynamic_batch_enable else self.train.micro_batch_size
+
+    def token_budgets(self) -> tuple[int | None, int | None]:
+        """``(training, no-grad pass)`` token budgets per micro-batch with ``--train.dynamic_batch_enable``
+        (``rollout.max_tokens_per_gpu`` or else the training one for the passes); ``(None, None)`` without.
+        The budget is what one worker's micro-batch holds (OpenRLHF multiplies it by the ring-attention x
+        tensor-parallel size; here the actor multiplies it by ``ds.ring_attn_size``, the reference and
+        critic run without rings and use it as it is)."""
+        if not self.train.dynamic_batch_enable:
+            return None, None
+        return self.train.max_tokens_per_gpu, self.rollout.max_tokens_per_gpu or self.train.max_tokens_per_gpu
 
     @property
     def uses_critic(self) -> bool:

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from rlhforge.config.parsing import ConfigError
 from rlhforge.config.validation import (
+    check_gpu_kernels,
     check_load_in_4bit,
     deepspeed_only_notices,
+    muon_notices,
     notice,
     resolved_strategy,
+    validate_aux_loss_coef,
+    validate_experts_implementation,
     validate_fault_limits,
     validate_logging_steps,
 )
@@ -24,29 +28,17 @@ from rlhforge.config.validation import (
 
 #: (section, field) -> default; a different value means a feature that is not built yet
 _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
-    ("rollout", "vllm_generate_batch_size"): (None, "vLLM generate batch size"),
-    ("rollout", "max_tokens_per_gpu"): (None, "token-budget log-prob passes"),
-    ("train", "dynamic_batch_enable"): (False, "dynamic (token-budget) batching in RL"),
-    ("train", "max_tokens_per_gpu"): (16192, "dynamic (token-budget) batching in RL"),
-    ("train", "enable_ema"): (False, "EMA of the actor"),
-    ("actor", "aux_loss_coef"): (0.0, "the MoE auxiliary loss in RL"),
-    ("actor", "freeze_visual_encoder"): (False, "vision-language models"),
-    ("data", "max_images_per_prompt"): (0, "vision-language models"),
-    ("data", "image_key"): ("images", "vision-language models"),
+    # SFT and DPO have images (docs/vlm.md); the RL engines, experience and trainer passes do not carry pixels yet
+    ("actor", "freeze_visual_encoder"): (False, "images in RL (SFT and DPO have them: docs/vlm.md)"),
+    ("data", "max_images_per_prompt"): (0, "images in RL (SFT and DPO have them: docs/vlm.md)"),
+    ("data", "image_key"): ("images", "images in RL (SFT and DPO have them: docs/vlm.md)"),
     ("algo", "dynamic_filtering_range"): (None, ""),  # checked below (has a real meaning)
-    ("ds", "use_universal_ckpt"): (False, "DeepSpeed universal checkpoints"),
-    ("ds", "deepcompile"): (False, "DeepSpeed DeepCompile"),
-    ("ds", "use_liger_kernel"): (False, "Liger kernels"),
-    ("ds", "ring_attn_size"): (1, "ring attention"),
-    ("ds", "ring_attn_head_stride"): (1, "ring attention"),
-    ("ds", "tensor_parallel_size"): (1, "DeepSpeed AutoTP"),
-    ("ds", "experts_implementation"): (None, "MoE experts implementations"),
-    ("algo.kl", "unbiased_gradient"): (False, "the unbiased KL-loss gradient"),
+    ("ds", "tensor_parallel_size"): (1, "DeepSpeed AutoTP in the RL worker groups (sft, rm, dpo have it: "
+                                        "docs/parallelism.md)"),
 }
 
 #: (section, field) -> (default, why): OpenRLHF knobs that mean nothing here; a different value prints one notice
 _NO_EFFECT: dict[tuple[str, str], tuple[object, str]] = {
-    ("train", "ema_beta"): (0.992, "the actor EMA is not built (--train.enable_ema is refused)"),
     ("data", "dataloader_num_workers"): (0, "prompts are tokenised once, before training (no DataLoader workers)"),
 }
 
@@ -93,6 +85,8 @@ def validate_rl(cfg) -> None:
         raise ConfigError("--actor.model_name_or_path is required (an HF hub id or a local folder)")
     if cfg.data.prompt_dataset is None:
         raise ConfigError("--data.prompt_dataset is required (files, folders, hub ids or builtin:NAME; comma-separated)")
+    validate_aux_loss_coef(cfg.actor.aux_loss_coef, "--actor.aux_loss_coef")
+    validate_experts_implementation(cfg.ds.experts_implementation)
     if cfg.use_ms:
         raise ConfigError("--use_ms (ModelScope) is not supported; download the model and pass a local folder")
     for (section, name), (default, what) in _NOT_BUILT.items():
@@ -105,6 +99,7 @@ def validate_rl(cfg) -> None:
             )
     _validate_vllm(cfg)
     _validate_routing_replay(cfg)
+    _validate_ring_attention(cfg)  # before the batch arithmetic, which divides by the ring
     _validate_distributed(cfg)
     _validate_reward_client(cfg)
     t = cfg.train
@@ -131,8 +126,14 @@ def validate_rl(cfg) -> None:
     lo, hi = cfg.algo.dynamic_filtering_range
     if not lo < hi:
         raise ConfigError(f"--algo.dynamic_filtering_range needs low < high (got {lo} {hi})")
+    gen_bs = cfg.rollout.vllm_generate_batch_size
+    if gen_bs is not None and gen_bs < 1:
+        raise ConfigError(f"--rollout.vllm_generate_batch_size must be >= 1 prompts per generation call (got {gen_bs})")
     if cfg.actor.dual_clip is not None and cfg.actor.dual_clip <= 1:
         raise ConfigError(f"--actor.dual_clip must be > 1 (got {cfg.actor.dual_clip})")
+    if cfg.train.enable_ema and not 0.0 <= cfg.train.ema_beta < 1.0:
+        raise ConfigError(f"--train.ema_beta must be in [0, 1) (got {cfg.train.ema_beta}): ema = beta * ema + "
+                          "(1 - beta) * weights after each optimizer step")
     if cfg.algo.kl.init_coef < 0:
         raise ConfigError(f"--algo.kl.init_coef must be >= 0 (got {cfg.algo.kl.init_coef})")
     if cfg.algo.kl.target is not None and cfg.algo.kl.init_coef <= 0:
@@ -168,6 +169,7 @@ def validate_rl(cfg) -> None:
                 f"--data.prompt_probs has {len(cfg.data.prompt_probs.split(','))} values for "
                 f"{len(cfg.data.prompt_dataset.split(','))} datasets ({cfg.data.prompt_dataset})"
             )
+    _validate_dynamic_batch(cfg)
     if cfg.critic.freezing_steps > 0 and not cfg.uses_critic:
         raise ConfigError("--critic.freezing_steps needs a critic (--algo.advantage.estimator gae)")
     validate_logging_steps(cfg)
@@ -176,10 +178,11 @@ def validate_rl(cfg) -> None:
     _validate_remote_reward(cfg)
     if cfg.ds.load_in_4bit:
         check_load_in_4bit(cfg.train.device)
+    check_gpu_kernels(cfg.ds, cfg.train.device)
     from rlhforge.config.batching import plan_rl_batches
 
     plan_rl_batches(rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=n,
-                    train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.train.micro_batch_size,
+                    train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.planned_micro_batch_size,
                     rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=1, num_prompts=None,
                     num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs)
     for line in no_effect_notices(cfg):
@@ -195,7 +198,16 @@ def no_effect_notices(cfg) -> list[str]:
             shown = "" if isinstance(value, bool) else f" {value}"
             out.append(f"--{section}.{name}{shown} has no effect: {why}")
     out += deepspeed_only_notices(cfg.ds, rl_strategy(cfg))
+    if cfg.train.ema_beta != 0.992 and not cfg.train.enable_ema:
+        out.append(f"--train.ema_beta {cfg.train.ema_beta} has no effect without --train.enable_ema")
+    for role in ("actor", "critic"):
+        out += muon_notices(getattr(cfg, role).optim_config(), f"--{role}.muon.", f"--{role}.max_norm",
+                            f"--{role}.optim muon", rl_strategy(cfg) == "deepspeed")
+    if cfg.algo.kl.unbiased_gradient and not (cfg.algo.kl.use_loss and cfg.algo.kl.init_coef > 0):
+        out.append("--algo.kl.unbiased_gradient has no effect without --algo.kl.use_loss and --algo.kl.init_coef > 0 "
+                   "(the KL is then a reward penalty, which is not differentiated)")
     out += _frozen_model_notices(cfg)
+    out += _dynamic_batch_notices(cfg)
     v = cfg.vllm
     v0 = type(v)()  # the defaults
     if not v.num_engines:
@@ -224,6 +236,32 @@ def no_effect_notices(cfg) -> list[str]:
     if cfg.reward.wait_for_server_s and not _http_reward(cfg):
         out.append(f"--reward.wait_for_server_s {cfg.reward.wait_for_server_s} has no effect: there is no HTTP reward "
                    "server to wait for")
+    return out
+
+
+def _validate_dynamic_batch(cfg) -> None:
+    """``--train.dynamic_batch_enable``: token-budget micro-batches are packed rows (OpenRLHF turns
+    ``--ds.packing_samples`` on by itself; rlhforge asks for it, so the layout is what the command says)."""
+    t, r = cfg.train, cfg.rollout
+    if t.max_tokens_per_gpu < 1:
+        raise ConfigError(f"--train.max_tokens_per_gpu must be >= 1 (got {t.max_tokens_per_gpu})")
+    if r.max_tokens_per_gpu is not None and r.max_tokens_per_gpu < 1:
+        raise ConfigError(f"--rollout.max_tokens_per_gpu must be >= 1 (got {r.max_tokens_per_gpu}; unset: the train value)")
+    if t.dynamic_batch_enable and not cfg.ds.packing_samples:
+        raise ConfigError("--train.dynamic_batch_enable needs --ds.packing_samples: token-budget micro-batches are "
+                          "packed rows (OpenRLHF switches packing on by itself; add --ds.packing_samples)")
+
+
+def _dynamic_batch_notices(cfg) -> list[str]:
+    """The token budgets mean nothing with fixed micro-batches."""
+    out = []
+    if not cfg.train.dynamic_batch_enable:
+        if cfg.train.max_tokens_per_gpu != 16192:
+            out.append(f"--train.max_tokens_per_gpu {cfg.train.max_tokens_per_gpu} has no effect without "
+                       "--train.dynamic_batch_enable (micro-batches hold --train.micro_batch_size samples)")
+        if cfg.rollout.max_tokens_per_gpu is not None:
+            out.append(f"--rollout.max_tokens_per_gpu {cfg.rollout.max_tokens_per_gpu} has no effect without "
+                       "--train.dynamic_batch_enable (passes use --rollout.micro_batch_size samples)")
     return out
 
 
@@ -336,6 +374,24 @@ def uses_ray(cfg) -> bool:
     return max(sizes) > 1 or bool(os.environ.get("RAY_ADDRESS"))
 
 
+def _validate_ring_attention(cfg) -> None:
+    """``--ds.ring_attn_size N``: the actor's Ray workers form rings of N ranks (docs/long_context.md)."""
+    from rlhforge.config.validation import validate_ring_attention
+
+    size = cfg.ds.ring_attn_size
+    actor_n = cfg.actor.num_nodes * cfg.actor.num_gpus_per_node
+    if size > 1 and not uses_ray(cfg):
+        raise ConfigError(f"--ds.ring_attn_size {size} splits each sequence over {size} actor ranks, which are Ray "
+                          f"workers: set --actor.num_gpus_per_node (x --actor.num_nodes) to a multiple of {size}")
+    validate_ring_attention(cfg.ds, actor_n)
+    if size > 1 and cfg.train.routing_replay:
+        raise ConfigError(f"--train.routing_replay cannot be combined with --ds.ring_attn_size {size} (the routing "
+                          "is recorded per full sequence, each ring rank runs a slice)")
+    if size > 1 and cfg.actor.aux_loss_coef:
+        raise ConfigError(f"--actor.aux_loss_coef cannot be combined with --ds.ring_attn_size {size} (each ring "
+                          "rank routes a slice of the sequence)")
+
+
 def _validate_distributed(cfg) -> None:
     t = cfg.train
     for name in ("actor", "critic", "ref"):
@@ -367,14 +423,16 @@ def _validate_distributed(cfg) -> None:
             raise ConfigError("QLoRA (--ds.load_in_4bit) with Ray worker groups would need its 4-bit base dequantised "
                               "for the merged weight sync; train QLoRA with one worker (--train.workers local)")
         per_step = cfg.train.batch_size
-        groups = [("actor", world)]
+        ring = cfg.ds.ring_attn_size if cfg.ds.ring_attn_size > 1 and world % cfg.ds.ring_attn_size == 0 else 1
+        groups = [("actor data-parallel" if ring > 1 else "actor", world // ring)]  # a ring shares its samples
         if cfg.uses_critic:
             groups.append(("critic", cfg.critic.num_nodes * cfg.critic.num_gpus_per_node))
+        mb = cfg.planned_micro_batch_size  # 1 with token budgets
         for name, n in groups:
-            if per_step % (cfg.train.micro_batch_size * n):
+            if per_step % (mb * n):
                 raise ConfigError(
                     f"--train.batch_size {per_step} must be divisible by --train.micro_batch_size x {name} workers "
-                    f"({cfg.train.micro_batch_size} x {n} = {cfg.train.micro_batch_size * n})")
+                    f"({mb} x {n} = {mb * n})")
     elif t.workers == "local" and world > 1:
         raise ConfigError(f"--train.workers local runs one worker per model, but the actor asks for {world} "
                           f"(--actor.num_nodes {cfg.actor.num_nodes} x --actor.num_gpus_per_node "

@@ -14,6 +14,7 @@ from rlhforge.config.components import (
     OptimConfig,
     TrainConfig,
 )
+from rlhforge.config.parsing import ConfigError
 from rlhforge.config.validation import validate_common
 
 
@@ -29,13 +30,27 @@ class SFTDataConfig(DataConfig):
     """Template with one ``{}`` wrapped around the prompt when no chat template is applied."""
     multiturn: bool = False
     """``input_key`` holds a whole conversation; loss on every assistant turn only."""
+    image_key: str = "images"
+    """Vision-language models: field with the record's image(s): paths relative to the dataset file,
+    base64 / ``data:`` URIs, or ``datasets`` images (docs/vlm.md). Ignored for a text-only model."""
+    max_images_per_prompt: int = 0
+    """Vision-language models: most images one sample may have (more is a data error); 0: no bound."""
+
+
+@dataclass(frozen=True)
+class SFTModelConfig(ModelConfig):
+    """The model being trained; vision-language models are detected from their config (docs/vlm.md)."""
+
+    freeze_visual_encoder: bool = False
+    """Vision-language models: keep the vision tower frozen (OpenRLHF's ``--actor.freeze_visual_encoder``
+    for SFT, which OpenRLHF's SFT does not have). A text-only model refuses it."""
 
 
 @dataclass(frozen=True)
 class SFTConfig:
     """Supervised fine-tuning (and continued pre-training with ``--model.pretrain_mode_enable``)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -49,4 +64,7 @@ class SFTConfig:
     """Not supported: ModelScope downloads."""
 
     def validate(self) -> None:
-        validate_common(self)
+        validate_common(self, ring_attention=True)
+        if self.data.max_images_per_prompt < 0:
+            raise ConfigError(f"--data.max_images_per_prompt must be >= 0 (got {self.data.max_images_per_prompt}; "
+                              "0: no bound)")

@@ -13,32 +13,108 @@ import sys
 from rlhforge.config.parsing import ConfigError
 
 _UNSUPPORTED_DS = {
-    "use_universal_ckpt": False,
-    "deepcompile": False,
-    "use_liger_kernel": False,
     "ring_attn_size": 1,
     "ring_attn_head_stride": 1,
     "tensor_parallel_size": 1,
-    "experts_implementation": None,
 }
 
+#: ``--ds.experts_implementation`` names that need CUDA (DeepGEMM: CUDA + bf16; sonic-moe: CUDA kernels)
+_GPU_EXPERTS = ("deepgemm", "deepgemm_megamoe", "sonicmoe")
 
-def validate_common(cfg) -> None:
+
+def validate_experts_implementation(name: str | None) -> None:
+    """``--ds.experts_implementation``: one of the names transformers' ``from_pretrained`` takes
+    (``eager`` plus its experts-interface kernels); the CUDA-only ones are refused on a machine without."""
+    if name is None:
+        return
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        valid = ["eager", *ALL_EXPERTS_FUNCTIONS.keys()]
+    except ImportError:
+        raise ConfigError(f"--ds.experts_implementation {name}: this transformers has no experts "
+                          "implementations (needs transformers >= 5)") from None
+    if name not in valid:
+        raise ConfigError(f"--ds.experts_implementation {name!r} is not one of transformers' experts "
+                          f"implementations: {', '.join(valid)}")
+    if name in _GPU_EXPERTS:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--ds.experts_implementation {name} needs a CUDA GPU (no CUDA device here); "
+                              "use eager, batched_mm or grouped_mm")
+
+
+def validate_aux_loss_coef(coef: float, flag: str) -> None:
+    if not coef >= 0:
+        raise ConfigError(f"{flag} must be >= 0 (got {coef}; 0 turns the MoE load-balancing loss off)")
+
+
+_RING_FLAGS = ("ring_attn_size", "ring_attn_head_stride")
+
+
+def validate_ring_attention(ds, world: int, packing_flag: str = "--ds.packing_samples") -> None:
+    """``--ds.ring_attn_size`` / ``--ds.ring_attn_head_stride`` where ring attention is wired (SFT, RL actor)."""
+    size, stride = ds.ring_attn_size, ds.ring_attn_head_stride
+    if size < 1:
+        raise ConfigError(f"--ds.ring_attn_size must be >= 1 (got {size})")
+    if stride < 1:
+        raise ConfigError(f"--ds.ring_attn_head_stride must be >= 1 key/value heads per ring pass (got {stride})")
+    if size == 1:
+        if stride != 1:
+            notice(f"--ds.ring_attn_head_stride {stride} has no effect: ring attention is off (--ds.ring_attn_size 1)")
+        return
+    if not ds.packing_samples:
+        raise ConfigError(f"--ds.ring_attn_size {size} needs {packing_flag}: ring attention slices one packed row "
+                          "(OpenRLHF turns packing on by itself; rlhforge asks for it)")
+    if world % size:
+        raise ConfigError(f"--ds.ring_attn_size {size} must divide the {world} training ranks "
+                          f"(ranks = data-parallel size x ring size)")
+
+
+def validate_tensor_parallel(ds, world: int) -> None:
+    """``--ds.tensor_parallel_size`` (DeepSpeed AutoTP, backend/autotp.py) in sft, rm and dpo."""
+    tp = ds.tensor_parallel_size
+    if tp < 1:
+        raise ConfigError(f"--ds.tensor_parallel_size must be >= 1 (got {tp})")
+    if tp == 1:
+        return
+    if resolved_strategy(ds.strategy, world) != "deepspeed":
+        raise ConfigError(f"--ds.tensor_parallel_size {tp} is DeepSpeed AutoTP: it needs the DeepSpeed strategy "
+                          f"(--ds.strategy deepspeed, or launch several ranks; got {ds.strategy} on {world} rank(s))")
+    if world % tp:
+        raise ConfigError(f"--ds.tensor_parallel_size {tp} must divide the {world} training ranks "
+                          "(ranks = data-parallel size x tensor-parallel size)")
+    if ds.zero_stage == 3:
+        raise ConfigError(f"--ds.tensor_parallel_size {tp} with --ds.zero_stage 3: DeepSpeed's AutoTP training runs "
+                          "with ZeRO stages 0-2")
+    if ds.ring_attn_size > 1:
+        raise ConfigError(f"--ds.tensor_parallel_size {tp} with --ds.ring_attn_size {ds.ring_attn_size}: "
+                          "use one of the two")
+
+
+def validate_common(cfg, ring_attention: bool = False) -> None:
+    """``ring_attention``: the command runs ring attention (SFT); elsewhere its flags are refused."""
     if cfg.model.model_name_or_path is None:
         raise ConfigError("--model.model_name_or_path is required (an HF hub id or a local folder)")
     if cfg.data.dataset is None:
         raise ConfigError("--data.dataset is required (files, folders, hub ids or builtin:NAME; comma-separated)")
+    if ring_attention:
+        validate_ring_attention(cfg.ds, world_size())
+    validate_tensor_parallel(cfg.ds, world_size())  # AutoTP: sft, rm, dpo (backend/autotp.py)
     for name, default in _UNSUPPORTED_DS.items():
+        if (ring_attention and name in _RING_FLAGS) or name == "tensor_parallel_size":
+            continue
         value = getattr(cfg.ds, name)
+        if value != default and name in _RING_FLAGS:
+            raise ConfigError(f"--ds.{name} {value} is not supported by rlhforge yet in reward-model and DPO training: "
+                              f"ring attention runs in sft and the rl actor (docs/long_context.md); leave it at {default}")
         if value != default:
             raise ConfigError(f"--ds.{name} {value} is not supported by rlhforge yet (leave it at {default})")
     if getattr(cfg, "use_ms", False):
         raise ConfigError("--use_ms (ModelScope) is not supported; download the model and pass a local folder")
-    if cfg.optim.name == "muon":
-        raise ConfigError("--optim.name muon (OpenRLHF: --optim muon) is not supported by rlhforge yet; use adam")
-    if getattr(cfg.model, "aux_loss_coef", 0.0):
-        raise ConfigError(f"--model.aux_loss_coef {cfg.model.aux_loss_coef}: the MoE load-balancing loss is not "
-                          "supported by rlhforge yet (leave it at 0)")
+    validate_aux_loss_coef(cfg.model.aux_loss_coef, "--model.aux_loss_coef")  # sft, rm and dpo add it
+    validate_experts_implementation(cfg.ds.experts_implementation)
     if cfg.ds.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--ds.zero_stage must be 0, 1, 2 or 3 (got {cfg.ds.zero_stage})")
     if cfg.train.max_tokens_per_device and not cfg.ds.packing_samples:
@@ -46,9 +122,11 @@ def validate_common(cfg) -> None:
             f"--train.max_tokens_per_device {cfg.train.max_tokens_per_device} needs --ds.packing_samples "
             "(token-budget micro-batches are packed rows)"
         )
-    if cfg.train.max_tokens_per_device and cfg.train.max_tokens_per_device < cfg.data.max_len:
+    ring = cfg.ds.ring_attn_size if ring_attention and cfg.ds.ring_attn_size > 1 else 1  # a ring holds ring x budget
+    if cfg.train.max_tokens_per_device and cfg.train.max_tokens_per_device * ring < cfg.data.max_len:
         raise ConfigError(
-            f"--train.max_tokens_per_device {cfg.train.max_tokens_per_device} is below --data.max_len "
+            f"--train.max_tokens_per_device {cfg.train.max_tokens_per_device}"
+            f"{f' x ring {ring}' if ring > 1 else ''} is below --data.max_len "
             f"{cfg.data.max_len}: a full-length sample would not fit"
         )
     if cfg.ds.lora.rank < 0:
@@ -72,6 +150,7 @@ def validate_common(cfg) -> None:
             )
     if cfg.ds.load_in_4bit:
         check_load_in_4bit(cfg.train.device)
+    check_gpu_kernels(cfg.ds, cfg.train.device)
     validate_no_effect_common(cfg)
 
 
@@ -82,15 +161,36 @@ def validate_no_effect_common(cfg) -> None:
     if cfg.data.dataloader_num_workers != 0:
         notice(f"--data.dataloader_num_workers {cfg.data.dataloader_num_workers} has no effect: the data is "
                "tokenised once, before training (no DataLoader worker processes)")
-    if cfg.optim.name != "muon":
-        from rlhforge.config.components import MuonConfig
+    deepspeed = resolved_strategy(cfg.ds.strategy, world_size()) == "deepspeed"
+    for line in muon_notices(cfg.optim, "--optim.muon.", "--optim.max_norm", "--optim muon", deepspeed):
+        notice(line)
 
-        default = MuonConfig()
-        for name in ("lr", "momentum", "ns_steps", "nesterov"):
-            value = getattr(cfg.optim.muon, name)
+
+def muon_notices(optim, muon_prefix: str, max_norm_flag: str, muon_flag: str, deepspeed: bool) -> list[str]:
+    """Muon's start-up notices for one optimizer block (``optim``: an ``OptimConfig``): with Muon and a
+    positive max_norm, one line recommending 0 (OpenRLHF warns the same: under DeepSpeed ZeRO the clip
+    acts on the orthogonalised update and shrinks it); under DeepSpeed, whose Muon fixes 5 Newton-Schulz
+    steps with Nesterov momentum, ``ns_steps`` / ``nesterov`` do nothing; without Muon no ``muon.*`` does."""
+    from rlhforge.config.components import MuonConfig
+
+    out, default = [], MuonConfig()
+    if optim.name == "muon":
+        if optim.max_norm > 0:
+            out.append(f"{muon_flag} with {max_norm_flag} {optim.max_norm}: gradient clipping shrinks Muon's "
+                       f"orthogonalised updates (DeepSpeed ZeRO clips after Newton-Schulz); {max_norm_flag} 0 is "
+                       "recommended, as OpenRLHF warns")
+        for name in ("ns_steps", "nesterov") if deepspeed else ():
+            value = getattr(optim.muon, name)
             if value != getattr(default, name):
-                notice(f"--optim.muon.{name} {value} has no effect: the optimizer is {cfg.optim.name} "
-                       "(Muon is not supported yet)")
+                out.append(f"{muon_prefix}{name} {value} has no effect under DeepSpeed: its Muon runs 5 Newton-Schulz "
+                           "steps with Nesterov momentum (the torch and fsdp2 strategies honour it)")
+        return out
+    for name in ("lr", "momentum", "ns_steps", "nesterov"):
+        value = getattr(optim.muon, name)
+        if value != getattr(default, name):
+            out.append(f"{muon_prefix}{name} {value} has no effect: the optimizer is {optim.name} "
+                       f"({muon_flag} turns Muon on)")
+    return out
 
 
 def validate_fault_limits(train) -> None:
@@ -136,7 +236,7 @@ def resolved_strategy(strategy: str, world: int) -> str:
 
 #: DeepSpeed-only ``--ds.*`` knobs and their defaults (read by the DeepSpeed strategy alone)
 DEEPSPEED_ONLY: dict[str, object] = {"zero_stage": 2, "zpg": 1, "adam_offload": False, "overlap_comm": False,
-                                     "grad_accum_dtype": None}
+                                     "grad_accum_dtype": None, "use_universal_ckpt": False, "deepcompile": False}
 
 
 def deepspeed_only_notices(ds, strategy: str) -> list[str]:
@@ -157,6 +257,32 @@ def deepspeed_only_notices(ds, strategy: str) -> list[str]:
             shown = "" if isinstance(value, bool) else f" {value}"
             out.append(f"--ds.{name}{shown} has no effect: {why}")
     return out
+
+
+def check_gpu_kernels(ds, device: str) -> None:
+    """``--ds.use_liger_kernel`` (Liger's Triton kernels) and ``--ds.deepcompile`` (DeepSpeed's compiled
+    ZeRO passes, whose ``dc`` op DeepSpeed builds for CUDA/ROCm only) need a GPU: refused on CPU with
+    that reason; Liger also where its package is missing (docs/parallelism.md)."""
+    import importlib.util
+
+    wanted = [f for f in ("use_liger_kernel", "deepcompile") if getattr(ds, f, False)]
+    if not wanted:
+        return
+    why = {"use_liger_kernel": "Liger's fused kernels are Triton GPU kernels",
+           "deepcompile": "DeepCompile's op (deepspeed.ops.dc) is built for CUDA/ROCm only; DeepSpeed's CPU "
+                          "accelerator has none"}
+    if device == "cpu" or device in ("auto", "cuda") and not _cuda_available():
+        where = "the device is cpu" if device == "cpu" else "no CUDA device is visible"
+        flag = wanted[0]
+        raise ConfigError(f"--ds.{flag} needs a CUDA GPU ({why[flag]}), but {where}; drop the flag on this machine")
+    if "use_liger_kernel" in wanted and importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("--ds.use_liger_kernel needs the liger-kernel package: pip install liger-kernel")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_load_in_4bit(device: str, flag: str = "--ds.load_in_4bit") -> None:

@@ -89,6 +89,7 @@ class RayWorkerGroup:
         import threading
 
         self.name, self.world_size = name, num_workers
+        self.ring_size = 1  # ring attention: consecutive ranks of a ring take the same shard (set by the launcher)
         self._submit_lock = threading.Lock()
         remote_host = ray.remote(WorkerHost)
         base_env = {"LOCAL_RANK": "0", **(env or {})}
@@ -163,11 +164,13 @@ class RayWorkerGroup:
     def _map(self, method: str, items: Sequence, args, kwargs, pad) -> tuple[list, list[list[int]], list[int]]:
         import ray
 
-        shards = balanced_shards(lengths_of(items), self.world_size)
+        ring = self.ring_size
+        shards = balanced_shards(lengths_of(items), self.world_size // ring)  # one shard per data-parallel replica
         chunks, real = pad_shards(items, shards, pad)
         chunk_refs = [ray.put(chunk) for chunk in chunks]
         with self._submit_lock:
-            refs = [h.run_items.remote(method, ref, args, kwargs) for h, ref in zip(self.hosts, chunk_refs)]
+            refs = [h.run_items.remote(method, chunk_refs[rank // ring], args, kwargs)
+                    for rank, h in enumerate(self.hosts)]
         return self._get(refs, method), shards, real
 
     def map_gather(self, method: str, items: Sequence, *args, **kwargs) -> list[Any]:
@@ -176,7 +179,7 @@ class RayWorkerGroup:
             return []
         results, shards, real = self._map(method, items, args, kwargs, pad=None)
         out: list[Any] = [None] * len(items)
-        for res, idx, n in zip(results, shards, real):
+        for res, idx, n in zip(results[:: self.ring_size], shards, real):  # a ring's ranks return the same values
             for i, r in zip(idx, list(res)[:n]):
                 out[i] = r
         return out

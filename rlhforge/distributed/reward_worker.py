@@ -44,7 +44,7 @@ class RewardWorker:
                                    pad_token_id=tokenizer.pad_token_id, normalize=cfg.reward.normalize_enable,
                                    micro_batch_size=cfg.rollout.micro_batch_size,
                                    value_head_prefix=cfg.ds.value_head_prefix, kind=actor_strategy_kind(cfg),
-                                   offload=cfg.reward.offload)
+                                   offload=cfg.reward.offload, max_tokens=cfg.token_budgets()[1])
 
     def score(self, seqs) -> list[list[float]]:
         """``[sample][model]`` rewards of this rank's shard of token-id sequences."""

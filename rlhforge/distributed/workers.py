@@ -33,11 +33,13 @@ from rlhforge.algorithms import (
     kl_loss,
     value_loss,
 )
+from rlhforge.algorithms.kl import kl_loss_unbiased_gradient
 from rlhforge.config.batching import BatchPlan
 from rlhforge.distributed.groups import InProcessGroup
 from rlhforge.backend.device import seed_everything
 from rlhforge.models.forward import is_packed, token_logprobs
 from rlhforge.distributed.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
+from rlhforge.distributed.micro_batches import micro_batch_groups, packed_as_rows
 
 __all__ = ["InProcessGroup", "ActorWorker", "RefWorker", "CriticWorker", "token_values", "PolicyLossSpec",
            "reduce_step_metrics"]
@@ -48,18 +50,33 @@ class _TrainableWorker:
 
     strategy: Any
     tokenizer: Any
+    train_tokens: int | None = None
+    """``--train.dynamic_batch_enable``: token budget of a training micro-batch (None: fixed micro-batches)."""
+    pass_tokens: int | None = None
+    """... and of a no-grad (log-prob / value) micro-batch (``--rollout.max_tokens_per_gpu``)."""
+
+    ema: Any = None
+    """``--train.enable_ema`` (actor): a ``backend.ema.ParamEMA``; HF exports write the EMA weights and
+    resume states hold it (weight sync and training use the live weights)."""
 
     def save_state(self, directory) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.strategy.save_state(Path(directory))
+        if self.ema is not None:
+            self.ema.save(directory)
 
     def load_state(self, directory) -> None:
         self.strategy.load_state(Path(directory))
+        if self.ema is not None:
+            self.ema.load(directory)
 
     def save_hf(self, out_dir) -> None:
+        import contextlib
+
         from rlhforge.models.export import save_hf
 
-        save_hf(self.strategy, self.tokenizer, Path(out_dir))
+        with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
+            save_hf(self.strategy, self.tokenizer, Path(out_dir))
 
     def peak_memory_gb(self) -> float:
         from rlhforge.backend.device import peak_memory_bytes
@@ -78,6 +95,18 @@ class _TrainableWorker:
         return reload_states(self.strategy)
 
 
+def check_routing_replay(model, device) -> None:
+    """``--train.routing_replay`` at start-up: the actor must be an MoE model whose router replays exactly."""
+    from rlhforge.config.parsing import ConfigError
+    from rlhforge.models.routing import check_replayable
+
+    try:
+        with torch.no_grad():
+            check_replayable(model, torch.arange(8, device=device)[None] % 5 + 1)
+    except ValueError as err:
+        raise ConfigError(f"--train.routing_replay: {err}") from err
+
+
 def _to(batch: dict, device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
@@ -87,10 +116,6 @@ def _per_sample(x: torch.Tensor, batch: dict, samples: Sequence[ExperienceSample
     if is_packed(batch):
         return [t.clone() for t in split_packed(x, batch["seq_lens"])]
     return unpad_rows(x, [len(s) for s in samples])
-
-
-def _chunks(items: Sequence, size: int) -> list[list]:
-    return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
 def shifted_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -157,6 +182,9 @@ class PolicyLossSpec:
     """beta of the KL loss term: the KL controller's value for this step (the trainer replaces the
     spec every step; 0 disables the term)."""
     kl_estimator: str = "k3"
+    kl_unbiased_gradient: bool = False
+    """``--algo.kl.unbiased_gradient``: the KL term keeps its value but back-propagates
+    ``w * (log pi - log pi_ref)``, ``w = pi / pi_old`` (``algorithms.kl.kl_loss_unbiased_gradient``)."""
     use_rollout_logprobs_as_old: bool = False
     old_from_this_forward: bool = False
     """pi_old = this forward's detached log-probs (ratio 1 by construction): set by the trainer when the
@@ -165,30 +193,75 @@ class PolicyLossSpec:
 
 
 class ActorWorker(_TrainableWorker):
+    ring = None  # this rank's context_parallel.RingGroup with --ds.ring_attn_size > 1
+    ring_size = 1
+    routing_replay = False  # --train.routing_replay: batches carry the rollout's MoE routing
+    aux_loss_coef = 0.0  # --actor.aux_loss_coef on an MoE model (0: no load-balancing term)
+
     def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
         from rlhforge.backend.factory import build_strategy
         from rlhforge.models.loading import load_causal_lm
 
         self.cfg, self.tokenizer = cfg, tokenizer
-        plan = _plan(cfg.train.micro_batch_size, grad_accum, max(total_updates, 1))
+        plan = _plan(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
         self.strategy = build_strategy(cfg.ds, cfg.actor.optim_config(), _train_cfg_for(cfg), plan)
         seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
         model = load_causal_lm(cfg.actor.model_name_or_path, cfg.actor, cfg.ds, self.strategy.device)
+        if cfg.ds.ring_attn_size > 1:
+            from rlhforge.backend.context_parallel import new_ring_group, use_ring_attention
+
+            if cfg.train.routing_replay:
+                raise ValueError("--train.routing_replay cannot be combined with --ds.ring_attn_size > 1 (the "
+                                 "recorded routing is per full sequence, the ring sees slices)")
+            self.ring = new_ring_group(cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride)
+            use_ring_attention(model)
+            self.ring_size = self.ring.ring_size
         self.model = self.strategy.prepare(model, max(total_updates, 1))
         self.device = self.strategy.device
         self.packed = cfg.ds.packing_samples
+        if cfg.train.enable_ema:  # of each rank's local shard, from the initial weights (backend/ema.py)
+            from rlhforge.backend.ema import ParamEMA
+
+            self.ema = ParamEMA(self.strategy.module, cfg.train.ema_beta, self.strategy.rank)
+        self.train_tokens, self.pass_tokens = cfg.token_budgets()
+        if self.ring is not None:  # a ring holds ring_size times a worker's budget (each rank 1/ring of it), as OpenRLHF
+            self.train_tokens, self.pass_tokens = (b * self.ring_size if b else b for b in (self.train_tokens,
+                                                                                              self.pass_tokens))
+        self.routing_replay = cfg.train.routing_replay
+        if self.routing_replay:
+            check_routing_replay(self.strategy.module, self.device)
+        from rlhforge.models.moe import aux_loss_enabled
+
+        coef = cfg.actor.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
+        self.aux_loss_coef = coef if aux_loss_enabled(coef, self.strategy.module, "--actor.aux_loss_coef") else 0.0
+        if self.aux_loss_coef and self.ring is not None:
+            raise ValueError("--actor.aux_loss_coef cannot be combined with --ds.ring_attn_size > 1 (each ring "
+                             "rank routes a slice of the sequence)")
+
+    def _token_logprobs(self, batch: dict, temperature: float, return_logits: bool = False, **kwargs):
+        """``token_logprobs`` of a micro-batch, across the ring when ring attention is on (every rank
+        of a ring holds the same samples and gets the same result)."""
+        if self.ring is not None:
+            from rlhforge.backend.context_parallel import ring_token_logprobs
+
+            return ring_token_logprobs(self.model, batch, self.ring, temperature, return_logits=return_logits)
+        return token_logprobs(self.model, batch, temperature, return_logits=return_logits, **kwargs)
 
     # -- inference --------------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, samples: Sequence[ExperienceSample], micro_batch_size: int, temperature: float
                  ) -> list[torch.Tensor]:
         self.strategy.eval()
-        out: list[torch.Tensor] = []
-        for chunk in _chunks(samples, micro_batch_size):
-            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
+        out: list = [None] * len(samples)
+        for idx in micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
+                                      self.strategy.all_reduce):
+            chunk = [samples[i] for i in idx]
+            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
+                                           routing=self.routing_replay), self.device)
             with self.strategy.autocast():
-                lp = token_logprobs(self.model, batch, temperature)
-            out.extend(_per_sample(lp, batch, chunk))
+                lp = self._token_logprobs(batch, temperature)
+            for i, row in zip(idx, _per_sample(lp, batch, chunk)):
+                out[i] = row
         self.strategy.train()
         return out
 
@@ -199,19 +272,29 @@ class ActorWorker(_TrainableWorker):
         local_tokens = sum(sum(s.loss_mask) for s in samples)
         local_seqs = sum(1 for s in samples if any(s.loss_mask))
         counts = strategy.all_reduce(torch.tensor([float(local_tokens), float(local_seqs)]), op="sum")
-        global_tokens, global_seqs = float(counts[0]), float(counts[1])
+        # ring attention: the ranks of a ring hold the same samples, so the sum counts each ring_size times;
+        # dp stays the world size (each rank's loss is scaled as if alone, the ring's gradients add up)
+        global_tokens, global_seqs = float(counts[0]) / self.ring_size, float(counts[1]) / self.ring_size
         dp = strategy.world_size
         agg = dict(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp, norm_constant=spec.norm_constant)
         losses: dict[str, float] = {"policy_loss": 0.0}  # dp-scaled (aggregate_loss): mean over ranks
         weighted: dict[str, float] = {"entropy": 0.0}  # token-share weighted: sum over ranks
         if spec.kl_loss_coef > 0:
             losses["kl_loss"] = 0.0
-        groups = _chunks(samples, self.cfg.train.micro_batch_size)
+        if self.aux_loss_coef:
+            losses["aux_loss"] = 0.0
+        groups = [[samples[i] for i in idx] for idx in micro_batch_groups(
+            [len(s) for s in samples], self.cfg.train.micro_batch_size, self.train_tokens, strategy.all_reduce)]
         for k, chunk in enumerate(groups):
-            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed), self.device)
-            mask = batch["loss_mask"]
+            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed,
+                                           routing=self.routing_replay), self.device)
             with strategy.autocast():
-                logp, logits = token_logprobs(self.model, batch, spec.temperature, return_logits=True)
+                logp, logits, *aux = self._token_logprobs(batch, spec.temperature, return_logits=True,
+                                                          return_aux_loss=bool(self.aux_loss_coef))
+            entropy = shifted_entropy(logits if spec.entropy_coef else logits.detach(), spec.temperature)
+            if self.packed:  # one row per sample: sequence-level terms (seq-mean modes, GSPO) need samples
+                batch, logp, entropy = packed_as_rows(batch, logp, entropy)
+            mask = batch["loss_mask"]
             gap_metrics = {}
             if spec.use_rollout_logprobs_as_old:
                 old = batch["rollout_logprobs"]
@@ -227,16 +310,18 @@ class ActorWorker(_TrainableWorker):
             policy_loss = aggregate_loss(tok_loss, mask, spec.agg_mode, **agg)
             loss = policy_loss
             if spec.entropy_coef:
-                entropy = shifted_entropy(logits, spec.temperature)
                 loss = loss + aggregate_loss(entropy_bonus(entropy, mask, spec.entropy_coef), mask, spec.agg_mode, **agg)
-            else:
-                with torch.no_grad():
-                    entropy = shifted_entropy(logits.detach(), spec.temperature)
             if spec.kl_loss_coef > 0:
-                kl_tok = kl_loss(logp, batch["ref_logprobs"], mask, spec.kl_estimator)
+                if spec.kl_unbiased_gradient:
+                    kl_tok = kl_loss_unbiased_gradient(logp, batch["ref_logprobs"], mask, spec.kl_estimator, old)
+                else:
+                    kl_tok = kl_loss(logp, batch["ref_logprobs"], mask, spec.kl_estimator)
                 kl_term = aggregate_loss(kl_tok, mask, spec.agg_mode, **agg)
                 loss = loss + spec.kl_loss_coef * kl_term
                 losses["kl_loss"] += float(kl_term.detach())
+            if aux:  # as OpenRLHF: coef x the micro-batch's balancing loss; the step's mean over micro-batches
+                loss = loss + self.aux_loss_coef * aux[0] / len(groups)
+                losses["aux_loss"] += float(aux[0].detach()) / len(groups)
             strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
             weight = float(mask.sum()) / max(global_tokens, 1.0)  # token share of this micro-batch
             losses["policy_loss"] += float(policy_loss.detach())
@@ -245,8 +330,13 @@ class ActorWorker(_TrainableWorker):
             for name, value in metrics.items():
                 weighted[name] = weighted.get(name, 0.0) + float(value) * weight
         stats = strategy.step()
+        if self.ema is not None and not stats.get("skipped"):
+            self.ema.update()  # once per applied optimizer step
         out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
+        for name in (*losses, *weighted):  # every rank of a ring holds the same samples: ring_size copies
+            out[name] /= self.ring_size
         out.update(grad_norm=stats["grad_norm"], lr=stats["lr"], skipped=stats.get("skipped", 0.0))  # 1: not finite
+        out["micro_batches"] = float(len(groups))  # forward/backward passes of this step on each rank
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -319,6 +409,9 @@ class RefWorker:
     before the first update; ZeRO-3 partitioned over the ref group when the actor runs ZeRO-3;
     ``--ref.offload`` keeps it in host memory between uses."""
 
+    pass_tokens: int | None = None
+    """``--train.dynamic_batch_enable``: token budget of a log-prob micro-batch (None: fixed micro-batches)."""
+
     def __init__(self, cfg, tokenizer, device=None):
         from rlhforge.backend.device import dist_info, resolve_device
         from rlhforge.backend.frozen import FrozenModel
@@ -332,14 +425,23 @@ class RefWorker:
         model = load_causal_lm(cfg.actor.model_name_or_path, model_cfg, ds, device)
         self.frozen = FrozenModel(model, ds, device, kind=actor_strategy_kind(cfg), offload=cfg.ref.offload)
         self.tokenizer, self.device, self.packed = tokenizer, device, cfg.ds.packing_samples
+        self.pass_tokens = cfg.token_budgets()[1]
 
     @torch.no_grad()
     def logprobs(self, samples, micro_batch_size: int, temperature: float) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
+        from rlhforge.backend.device import dist_info
+        from rlhforge.backend.strategy import all_reduce_tensor
+
+        out: list = [None] * len(samples)
+        world = dist_info().world_size
+        groups = micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
+                                    lambda t, op: all_reduce_tensor(t, op, world))
         with self.frozen.use() as model:
-            for chunk in _chunks(samples, micro_batch_size):
+            for idx in groups:
+                chunk = [samples[i] for i in idx]
                 batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
-                out.extend(_per_sample(token_logprobs(model, batch, temperature), batch, chunk))
+                for i, row in zip(idx, _per_sample(token_logprobs(model, batch, temperature), batch, chunk)):
+                    out[i] = row
         return out
 
     def offload_stats(self) -> dict:
@@ -372,7 +474,12 @@ def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
     v = captured["v"][..., 0].float()
     if rows is not None:
         v = rows.to_packed(v)
-    return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+    v = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+    if is_packed(batch):  # packed: 0 at each sample's first token too (the shift carried the previous sample's last)
+        from rlhforge.models.forward import prediction_mask
+
+        v = v * prediction_mask(batch).to(v.dtype)
+    return v
 
 
 class CriticWorker(_TrainableWorker):
@@ -385,7 +492,7 @@ class CriticWorker(_TrainableWorker):
 
         first_rm = (reward_model_paths(cfg.reward.model_name_or_path) or [None])[0]  # OpenRLHF: the first reward model
         path = cfg.critic.model_name_or_path or first_rm or cfg.actor.model_name_or_path
-        plan = _plan(cfg.train.micro_batch_size, grad_accum, max(total_updates, 1))
+        plan = _plan(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
         self.strategy = build_strategy(cfg.ds, cfg.critic.optim_config(), cfg.train, plan)
         seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)  # a new value head: same init on
         # every rank and in every process layout (in-process or Ray)
@@ -393,17 +500,21 @@ class CriticWorker(_TrainableWorker):
                                   value_head_prefix=cfg.ds.value_head_prefix)
         self.model = self.strategy.prepare(model, max(total_updates, 1))
         self.device, self.packed, self.prefix = self.strategy.device, cfg.ds.packing_samples, cfg.ds.value_head_prefix
+        self.train_tokens, self.pass_tokens = cfg.token_budgets()
         self.path = path
 
     @torch.no_grad()
     def values(self, samples, micro_batch_size: int) -> list[torch.Tensor]:
         self.strategy.eval()
-        out: list[torch.Tensor] = []
-        for chunk in _chunks(samples, micro_batch_size):
+        out: list = [None] * len(samples)
+        for idx in micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
+                                      self.strategy.all_reduce):
+            chunk = [samples[i] for i in idx]
             batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
             with self.strategy.autocast():
                 v = token_values(self.model, batch, self.prefix)
-            out.extend(_per_sample(v, batch, chunk))
+            for i, row in zip(idx, _per_sample(v, batch, chunk)):
+                out[i] = row
         self.strategy.train()
         return out
 
@@ -413,7 +524,8 @@ class CriticWorker(_TrainableWorker):
         global_tokens = float(strategy.all_reduce(torch.tensor(float(local_tokens)), op="sum"))
         losses = {"value_loss": 0.0}  # dp-scaled (aggregate_loss): mean over ranks
         weighted = {"clip_frac": 0.0, "values_mean": 0.0}  # token-share weighted: sum over ranks
-        groups = _chunks(samples, self.cfg.train.micro_batch_size)
+        groups = [[samples[i] for i in idx] for idx in micro_batch_groups(
+            [len(s) for s in samples], self.cfg.train.micro_batch_size, self.train_tokens, strategy.all_reduce)]
         for k, chunk in enumerate(groups):
             batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed), self.device)
             mask = batch["loss_mask"]
@@ -429,4 +541,5 @@ class CriticWorker(_TrainableWorker):
         stats = strategy.step()
         out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
         out.update(grad_norm=stats["grad_norm"], lr=stats["lr"], skipped=stats.get("skipped", 0.0))  # 1: not finite
+        out["micro_batches"] = float(len(groups))  # forward/backward passes of this step on each rank
         return out

@@ -65,6 +65,10 @@ def merged_lora_state(state: dict[str, torch.Tensor], model) -> dict[str, torch.
         if isinstance(module, LoraLayer):
             if getattr(module, "fan_in_fan_out", False):
                 raise ValueError(f"{name}: merging fan_in_fan_out LoRA layers for weight sync is not supported")
+            if type(module).__name__ == "ParamWrapper":  # peft's LoRA on a bare parameter (MoE experts/router)
+                raise ValueError(f"{name}: LoRA on the parameter {getattr(module, 'parameter_name', '?')!r} (peft "
+                                 "ParamWrapper: MoE experts or router) cannot be merged for weight sync; target "
+                                 "nn.Linear modules (the default all-linear does on MoE models)")
             scalings[name] = dict(module.scaling)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():

@@ -230,19 +230,25 @@ def token_logprobs(
     block_mask: Literal["auto", "explicit"] = "auto",
     return_logits: bool = False,
     row_tokens: int | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_aux_loss: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """Per-token log-probs ``[B, T]`` (fp32) of ``batch["input_ids"]`` under ``model``.
 
     Args:
         model: an HF causal LM (anything returning ``.logits`` [B, T, V]).
         batch: a padded or packed batch (module docstring); only ``input_ids``,
             ``attention_mask`` (padded), ``position_ids`` and ``routed_experts`` (MoE routing
-            replay, :mod:`rlhforge.models.routing`) are read.
+            replay, :mod:`rlhforge.models.routing`) are read; a vision-language batch (with
+            ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) goes through
+            :func:`rlhforge.models.vlm.vlm_model_inputs` (padded only).
         temperature: logits are divided by it (match the sampling temperature).
         block_mask: packed batches only. ``"auto"`` relies on transformers' packed-sequence
             detection where it exists; ``"explicit"`` always passes a 4-D block-diagonal mask
             (sdpa/eager only).
         return_logits: also return the raw logits (``[1, N, V]`` for a packed batch).
+        return_aux_loss: MoE models: also return the router's load-balancing loss (a scalar,
+            :func:`rlhforge.models.moe.load_balancing_loss` over the real tokens only; the forward
+            asks for ``output_router_logits``). It comes last in the returned tuple.
         row_tokens: packed batches on sdpa/eager only: compute in rows of at most
             ``max(longest sample, row_tokens)`` tokens (:func:`packed_rows`; None: the longest
             sample, which never costs more than padding). The result does not depend on it.
@@ -253,7 +259,11 @@ def token_logprobs(
     """
     input_ids = batch["input_ids"]
     rows = None
-    if is_packed(batch):
+    if batch.get("pixel_values") is not None:  # a VLM batch: padded, positions from the model (M-RoPE)
+        from rlhforge.models.vlm import vlm_model_inputs
+
+        kwargs = vlm_model_inputs(model, batch)
+    elif is_packed(batch):
         kwargs, rows = packed_model_inputs(model, batch, block_mask=block_mask, row_tokens=row_tokens)
     else:
         attention_mask = batch["attention_mask"]
@@ -263,7 +273,10 @@ def token_logprobs(
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "use_cache": False}
     with _routing_replay(model, batch, rows):
-        logits = model(**kwargs).logits
+        if return_aux_loss:
+            kwargs["output_router_logits"] = True
+        outputs = model(**kwargs)
+        logits = outputs.logits
     ids = kwargs["input_ids"]
     # logits[:, t] predicts ids[:, t + 1]
     shifted = _logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature)
@@ -273,6 +286,13 @@ def token_logprobs(
         if return_logits:
             logits = rows.to_packed(logits)
     logprobs = logprobs * prediction_mask(batch).to(logprobs.dtype)
+    if return_aux_loss:
+        from rlhforge.models.moe import load_balancing_loss, moe_routing, token_mask_for_router
+
+        num_experts, top_k = moe_routing(model)
+        mask = token_mask_for_router(None if is_packed(batch) else batch["attention_mask"], rows)
+        aux = load_balancing_loss(outputs.router_logits, num_experts, top_k, mask)
+        return (logprobs, logits, aux) if return_logits else (logprobs, aux)
     return (logprobs, logits) if return_logits else logprobs
 
 

@@ -183,8 +183,15 @@ def _forward_kwargs(model, batch: Mapping[str, Any]):
             "position_ids": batch.get("position_ids"), "use_cache": False}, None
 
 
-def sequence_rewards(model, batch: Mapping[str, Any], prefix: str = "score") -> Tensor:
-    """One reward per sequence of ``batch`` (padded or packed): the value head at the last token. [S]."""
+def sequence_rewards(model, batch: Mapping[str, Any], prefix: str = "score", return_aux_loss: bool = False):
+    """One reward per sequence of ``batch`` (padded or packed): the value head at the last token. [S].
+
+    ``return_aux_loss`` (MoE models): ``(rewards, load-balancing loss)``, the loss over the real tokens
+    (:func:`rlhforge.models.moe.load_balancing_loss`, router logits recorded by hooks)."""
+    import contextlib
+
+    from rlhforge.models import moe
+
     captured: dict[str, Tensor] = {}
 
     def hook(_module, _inputs, output):
@@ -192,8 +199,10 @@ def sequence_rewards(model, batch: Mapping[str, Any], prefix: str = "score") -> 
 
     kwargs, rows = _forward_kwargs(model, batch)
     handle = value_head(model, prefix).register_forward_hook(hook)
+    record = moe.recorded_router_logits(model) if return_aux_loss else contextlib.nullcontext()
     try:
-        model(**kwargs)
+        with record as router_logits:
+            model(**kwargs)
     finally:
         handle.remove()
     values = captured["values"] if rows is None else rows.to_packed(captured["values"])
@@ -203,8 +212,13 @@ def sequence_rewards(model, batch: Mapping[str, Any], prefix: str = "score") -> 
         values = values[..., 0]
     index = last_token_index(batch).to(values.device)
     if batch.get("attention_mask") is None:
-        return values[0, index]
-    return values[torch.arange(values.shape[0], device=values.device), index]
+        rewards = values[0, index]
+    else:
+        rewards = values[torch.arange(values.shape[0], device=values.device), index]
+    if not return_aux_loss:
+        return rewards
+    mask = moe.token_mask_for_router(batch.get("attention_mask"), rows)
+    return rewards, moe.load_balancing_loss(router_logits, *moe.moe_routing(_unwrap(model)), mask)
 
 
 def encode_reward_text(tokenizer, text: str, max_len: int) -> list[int]:

@@ -219,7 +219,7 @@ class RewardModels:
 
     def __init__(self, paths, model_cfg, ds_cfg, device, *, pad_token_id: int, normalize: bool,
                  micro_batch_size: int = 8, value_head_prefix: str = "score", kind: str = "torch",
-                 offload: bool = False):
+                 offload: bool = False, max_tokens: int | None = None):
         import dataclasses
 
         from rlhforge.backend.frozen import FrozenModel
@@ -228,6 +228,7 @@ class RewardModels:
         self.paths = list(paths)
         self.prefix, self.pad, self.device = value_head_prefix, pad_token_id, device
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens  # --train.dynamic_batch_enable: token-budget micro-batches (None: fixed)
         self.models, self.stats = [], []
         for path in self.paths:
             model = load_reward_model(path, dataclasses.replace(model_cfg, model_name_or_path=path), ds_cfg, device,
@@ -242,17 +243,24 @@ class RewardModels:
         """``[sample][model]`` rewards of the token-id sequences ``seqs``."""
         import torch
 
+        from rlhforge.backend.device import dist_info
+        from rlhforge.backend.strategy import all_reduce_tensor
+        from rlhforge.data.balancing import micro_batch_groups
         from rlhforge.data.packing import collate_padded
         from rlhforge.models.reward import sequence_rewards
 
+        world = dist_info().world_size  # a Ray reward group's ranks agree on the number of passes (ZeRO-3 gathers)
+        groups = micro_batch_groups([len(q) for q in seqs], self.micro_batch_size, self.max_tokens,
+                                    lambda k: int(all_reduce_tensor(torch.tensor(float(k)), "max", world)))
         per_model = []
         for frozen, stats in zip(self.models, self.stats):
-            out: list[float] = []
+            out: list[float] = [0.0] * len(seqs)
             with frozen.use() as model:
-                for s in range(0, len(seqs), self.micro_batch_size):
-                    chunk = [{"input_ids": list(q), "loss_mask": [0] * len(q)} for q in seqs[s : s + self.micro_batch_size]]
+                for idx in groups:
+                    chunk = [{"input_ids": list(seqs[i]), "loss_mask": [0] * len(seqs[i])} for i in idx]
                     b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in collate_padded(chunk, self.pad).items()}
-                    out.extend(sequence_rewards(model, b, self.prefix).float().cpu().tolist())
+                    for i, r in zip(idx, sequence_rewards(model, b, self.prefix).float().cpu().tolist()):
+                        out[i] = r
             if stats is not None:
                 mean, std = stats
                 out = [(r - mean) / max(std, 1e-8) for r in out]
@@ -314,7 +322,8 @@ def build_reward_source(cfg, *, device=None, pad_token_id: int | None = None):
     paths = reward_model_paths(cfg.reward.model_name_or_path)
     models = RewardModels(paths, reward_model_config(cfg), reward_ds_config(cfg), device, pad_token_id=pad_token_id,
                           normalize=cfg.reward.normalize_enable, micro_batch_size=cfg.rollout.micro_batch_size,
-                          value_head_prefix=cfg.ds.value_head_prefix, offload=cfg.reward.offload)
+                          value_head_prefix=cfg.ds.value_head_prefix, offload=cfg.reward.offload,
+                          max_tokens=cfg.token_budgets()[1])
     return RewardModelSource(models, paths)
 
 

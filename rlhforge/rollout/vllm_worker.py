@@ -29,8 +29,49 @@ __all__ = ["WeightSyncExtension", "EXTENSION_CLS"]
 EXTENSION_CLS = "rlhforge.rollout.vllm_worker.WeightSyncExtension"
 
 
+def _repack_cpu_experts(model) -> int:
+    """Redo the CPU MoE kernel's weight prepacking after a reload (vLLM 0.32's CPU build).
+
+    vLLM's unquantized MoE method runs the experts' ``process_weights_after_loading`` (the CPU
+    grouped-GEMM prepack) only on the first load: on a reload it copies the checkpoint-layout
+    tensors in and skips the prepack, so the CPU kernel reads raw weights (greedy tokens then
+    differ from HF's; found by tests/models/test_families.py). Every sync here reloads every
+    layer, so each CPU experts layer is prepacked once more. Returns how many were.
+    """
+    done = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe") and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            done += 1
+    return done
+
+
 class WeightSyncExtension:
     """Methods on vLLM's worker (``self`` is the worker; ``self.model_runner`` exists)."""
+
+    def _rlhforge_reload(self, named: Iterator) -> None:
+        """``reload_weights`` from the trainer's (name, tensor) pairs, renamed to the checkpoint layout
+        vLLM loads (transformers 5.x fuses MoE experts that checkpoints store per expert:
+        :func:`rlhforge.models.moe.checkpoint_names`; dense models pass through)."""
+        from rlhforge.models.moe import checkpoint_names
+
+        skeleton = self._rlhforge_names_skeleton()
+        self.model_runner.reload_weights(weights_iterator=checkpoint_names(named, skeleton))
+        if skeleton is not None:
+            _repack_cpu_experts(self.model_runner.model)
+
+    def _rlhforge_names_skeleton(self):
+        """Once per worker: the model class on the meta device for MoE models (whose live names differ
+        from the checkpoint's), else None."""
+        from rlhforge.models.moe import is_moe, meta_skeleton
+
+        skeleton = getattr(self, "_rlhforge_skeleton", False)
+        if skeleton is False:
+            config = self.model_runner.model_config.hf_config
+            skeleton = self._rlhforge_skeleton = meta_skeleton(config) if is_moe(config) else None
+        return skeleton
 
     # -- in-process path: tensors are passed as they are ------------------------------------------
     def rlhforge_load_tensors(self, named: Iterable, fingerprint: bool = False) -> int:
@@ -46,7 +87,7 @@ class WeightSyncExtension:
                     fp.add(name, tensor)
                 yield name, tensor
 
-        self.model_runner.reload_weights(weights_iterator=it())
+        self._rlhforge_reload(it())
         self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
         return count[0]
 
@@ -74,7 +115,7 @@ class WeightSyncExtension:
                     count[0] += 1
                     yield name, tensor
 
-        self.model_runner.reload_weights(weights_iterator=it())
+        self._rlhforge_reload(it())
         return count[0]
 
     def rlhforge_clear_staged(self) -> None:
@@ -106,7 +147,7 @@ class WeightSyncExtension:
                     fp.add(name, tensor)
                 yield name, tensor
 
-        self.model_runner.reload_weights(weights_iterator=it())
+        self._rlhforge_reload(it())
         self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
         return self._rlhforge_fingerprint
 
@@ -126,7 +167,9 @@ class WeightSyncExtension:
         args = list(args)
         args[6] = torch.cuda.current_device()  # storage_device: this process's index of the shared GPU
         pairs = unpack_bucket(rebuild(*args), entries)  # unpack copies: the sender may free its buffer after
-        self.model_runner.model.load_weights(weights=pairs)
+        from rlhforge.models.moe import checkpoint_names  # MoE: per-expert checkpoint names (not run: GPU only)
+
+        self.model_runner.model.load_weights(weights=checkpoint_names(pairs, self._rlhforge_names_skeleton()))
         if fingerprint:
             fp = getattr(self, "_rlhforge_ipc_fp", None) or Fingerprint()
             for name, t in pairs:

@@ -91,12 +91,15 @@ def resume_trainer_state(strategy, ckpt_cfg, logger, cfg=None) -> dict | None:
     return state
 
 
-def indices_for_step(global_step: int, plan, num_samples: int, seed: int, strategy) -> tuple[int, int, list[int]]:
+def indices_for_step(global_step: int, plan, num_samples: int, seed: int, strategy,
+                     shard: tuple[int, int] | None = None) -> tuple[int, int, list[int]]:
     """``(epoch, step in epoch, this rank's sample indices)`` of optimizer step ``global_step`` (deterministic
-    per epoch, so a resumed run takes the same samples)."""
+    per epoch, so a resumed run takes the same samples). ``shard`` = ``(data rank, data ranks)`` when they
+    differ from the strategy's (ring attention: the ranks of one ring share a shard)."""
     epoch, step_in_epoch = divmod(global_step, plan.steps_per_epoch)
     order = epoch_order(num_samples, seed, epoch)
-    return epoch, step_in_epoch, step_indices(order, step_in_epoch, plan.batch_size, strategy.rank, strategy.world_size)
+    rank, world = shard if shard is not None else (strategy.rank, strategy.world_size)
+    return epoch, step_in_epoch, step_indices(order, step_in_epoch, plan.batch_size, rank, world)
 
 
 def batch_record(global_step: int, plan, num_samples: int, seed: int) -> dict:

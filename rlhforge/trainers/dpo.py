@@ -34,9 +34,11 @@ import torch
 from torch import Tensor
 
 from rlhforge.algorithms.preference_losses import chosen_nll_loss, dpo_sigmoid_loss, ipo_loss
+from rlhforge.backend.autotp import copies, data_shard
 from rlhforge.backend.device import empty_cache, peak_memory_bytes
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
+from rlhforge.data.vlm_preference import VLMPreferenceSample, collate_vlm_pairs
 from rlhforge.models.export import save_hf
 from rlhforge.models.forward import sequence_logprob_sums, token_logprobs
 from rlhforge.config.parsing import to_dict
@@ -66,14 +68,16 @@ def _rows(values: Tensor, seq_lens) -> Tensor:
     return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
 
 
-def _sequence_logps(model, batch) -> tuple[Tensor, Tensor, Tensor]:
-    """(summed response log-probs [S], token log-probs [S, T], response mask [S, T]) of every sequence."""
-    logps = token_logprobs(model, batch)
+def _sequence_logps(model, batch, with_aux: bool = False) -> tuple[Tensor, ...]:
+    """(summed response log-probs [S], token log-probs [S, T], response mask [S, T]) of every sequence;
+    with ``with_aux``, and the MoE load-balancing loss of the forward."""
+    out = token_logprobs(model, batch, return_aux_loss=with_aux)
+    logps, aux = (out[0], out[1:]) if with_aux else (out, ())
     packed = batch.get("attention_mask") is None
     sums = sequence_logprob_sums(logps, batch["loss_mask"], batch["seq_lens"] if packed else None)
     if packed:
-        return sums, _rows(logps, batch["seq_lens"]), _rows(batch["loss_mask"], batch["seq_lens"])
-    return sums, logps, batch["loss_mask"]
+        return (sums, _rows(logps, batch["seq_lens"]), _rows(batch["loss_mask"], batch["seq_lens"]), *aux)
+    return (sums, logps, batch["loss_mask"], *aux)
 
 
 class Reference:
@@ -134,7 +138,8 @@ class Reference:
         """Reference log-probs of every pair of ``samples`` (sharded over ranks, then summed)."""
         strategy = self.strategy
         table = torch.zeros(len(samples), 2, dtype=torch.float64)
-        shard = list(range(strategy.rank, len(samples), strategy.world_size))
+        rank, ranks = data_shard(strategy)  # AutoTP: a tensor-parallel group shares one shard
+        shard = list(range(rank, len(samples), ranks))
         batches = [shard[i : i + micro_batch_size] for i in range(0, len(shard), micro_batch_size)]
         with self.active():
             for group in pad_micro_batch_count(strategy, batches):
@@ -143,7 +148,7 @@ class Reference:
                 if group is not None:
                     n = len(group)
                     table[torch.as_tensor(group)] = torch.stack([sums[:n], sums[n:]], dim=1)
-        self.tables[split] = strategy.all_reduce(table, op="sum").float()
+        self.tables[split] = (strategy.all_reduce(table, op="sum") / copies(strategy)).float()
 
     def release_model(self) -> None:
         """Free a separate reference model (after precomputing)."""
@@ -172,10 +177,18 @@ class DPOTrainer:
         self.state = DPOState()
         self.guard = guard_for(cfg, strategy)  # preemption, non-finite steps, checkpoint write errors
         self.step_skipped = False  # the last optimizer step was skipped (non-finite loss or gradient norm)
+        from rlhforge.models.moe import aux_loss_enabled
+
+        coef = cfg.model.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
+        self.aux_loss_coef = coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
+        self.aux = None  # the last training micro-batch's balancing loss (differentiable)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def _collate(self, samples):
-        batch = collate_pairs(samples, self.tokenizer.pad_token_id, packed=self.cfg.ds.packing_samples)
+        if isinstance(samples[0], VLMPreferenceSample):  # images: padded, M-RoPE positions from the model
+            batch = collate_vlm_pairs(samples, self.tokenizer.pad_token_id, self.tokenizer.image_token_id)
+        else:
+            batch = collate_pairs(samples, self.tokenizer.pad_token_id, packed=self.cfg.ds.packing_samples)
         return {k: v.to(self.strategy.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _pair_losses(self, split: str, indices: list[int], samples) -> tuple[Tensor, Tensor]:
@@ -186,7 +199,9 @@ class DPOTrainer:
         if ref is None:
             ref = self.reference.logps(batch)
         with self.strategy.autocast():
-            sums, token_logps, mask = _sequence_logps(self.model, batch)
+            sums, token_logps, mask, *aux = _sequence_logps(self.model, batch,
+                                                            with_aux=split == "train" and bool(self.aux_loss_coef))
+        self.aux = aux[0] if aux else None
         n = len(samples)
         pc, pr, rc, rr = sums[:n], sums[n:], ref[:n].to(sums.dtype), ref[n:].to(sums.dtype)
         if m.ipo_enable:
@@ -242,7 +257,7 @@ class DPOTrainer:
         cfg, strategy, plan = self.cfg, self.strategy, self.plan
         while self.state.global_step < plan.total_steps:
             epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
-                                                             cfg.train.seed, strategy)
+                                                             cfg.train.seed, strategy, shard=data_shard(strategy))
             start = time.perf_counter()
             metrics = self.train_step(indices)
             self.state.global_step += 1
@@ -275,20 +290,31 @@ class DPOTrainer:
                                max_tokens=cfg.train.max_tokens_per_device)
         groups = pad_micro_batch_count(strategy, groups)
         totals = torch.zeros(len(_FIELDS), dtype=torch.float64)
+        aux_total = torch.zeros(2)
         with self.reference.active():
             for k, group in enumerate(groups):
                 is_dummy = group is None
                 ids = [indices[0]] if is_dummy else group
                 loss_sum, t = self._pair_losses("train", ids, [samples[i] for i in ids])
                 loss = pair_mean_share(loss_sum, global_pairs, strategy.world_size)
+                if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
+                    loss = loss + self.aux_loss_coef * self.aux / len(groups)
+                    if not is_dummy:
+                        aux_total += torch.stack([self.aux.detach().float().cpu(), torch.ones(())])
                 strategy.backward(loss * 0.0 if is_dummy else loss, is_last_micro_batch=k == len(groups) - 1)
                 if not is_dummy:
                     totals += t
         stats = strategy.step()
         self.step_skipped = bool(stats.get("skipped", 0.0))
-        totals = strategy.all_reduce(totals, op="sum")
-        metrics = self._metrics(totals, global_pairs, "train", cfg.model.nll_loss_coef > 0)
+        # AutoTP: the sums count each pair once per tensor-parallel rank (the loss scale above wants that:
+        # pairs x world / (tp x pairs) = the data-parallel size DeepSpeed averages over); metrics do not
+        c = copies(strategy)
+        totals = strategy.all_reduce(totals, op="sum") / c
+        metrics = self._metrics(totals, global_pairs / c, "train", cfg.model.nll_loss_coef > 0)
         metrics.update({"train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"]})
+        if self.aux_loss_coef:
+            aux_sum, passes = strategy.all_reduce(aux_total, op="sum").tolist()
+            metrics["train/aux_loss"] = aux_sum / max(passes, 1.0)
         return metrics
 
     @torch.no_grad()
@@ -297,7 +323,8 @@ class DPOTrainer:
             return {}
         strategy, samples = self.strategy, self.eval_samples
         strategy.eval()
-        shard = list(range(strategy.rank, len(samples), strategy.world_size))
+        rank, ranks = data_shard(strategy)
+        shard = list(range(rank, len(samples), ranks))
         mb = self.cfg.train.micro_batch_size
         batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
         totals = torch.zeros(len(_FIELDS), dtype=torch.float64)
@@ -310,8 +337,8 @@ class DPOTrainer:
                     totals += t
                     pairs += len(group)
         strategy.train()
-        totals = strategy.all_reduce(totals, op="sum")
-        pairs = strategy.all_reduce(pairs, op="sum").item()
+        totals = strategy.all_reduce(totals, op="sum") / copies(strategy)
+        pairs = strategy.all_reduce(pairs, op="sum").item() / copies(strategy)
         return self._metrics(totals, max(pairs, 1.0), "eval", self.cfg.model.nll_loss_coef > 0)
 
     # -- checkpoints -----------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, Sync
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.distributed.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
 from rlhforge.trainers.rl_ckpt import RLCheckpointing, RLState, rl_guard
-from rlhforge.trainers.rl_data import PromptStream, eval_metrics
+from rlhforge.trainers.rl_data import GroupBuffer, PromptStream, eval_metrics, gather_groups
 from rlhforge.distributed.workers import PolicyLossSpec
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -90,6 +90,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         kl = cfg.algo.kl
         self.kl_ctl = make_kl_controller(kl.init_coef, kl.target, kl.horizon)
         self.stream = PromptStream(len(prompts), cfg.train.seed)
+        self.rollout_buffer = GroupBuffer()  # oversampling: accepted groups not trained yet
         self.max_new_tokens = cfg.rollout.max_new_tokens or max(1, cfg.data.max_len - max(len(p.ids) for p in prompts))
         self.gamma = self._gamma()
         self.loss_spec = self._loss_spec()  # kl_loss_coef is set from the KL controller at every step
@@ -126,6 +127,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
             loss_type=loss_type, loss_kwargs=kwargs, agg_mode=agg, norm_constant=norm,
             temperature=cfg.rollout.temperature, entropy_coef=a.entropy_coef or 0.0,
             kl_loss_coef=self._kl_loss_coef(), kl_estimator=cfg.algo.kl.estimator,
+            kl_unbiased_gradient=cfg.algo.kl.unbiased_gradient,
             use_rollout_logprobs_as_old=est == "flash_reinforce",
         )
 
@@ -203,7 +205,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
             batch = source.next(self.state.global_step)
         t0 = time.perf_counter()
         trajs, metrics = batch.trajs, dict(batch.metrics)
-        self.state.prompt_position = batch.stream_position
+        self.state.prompt_position, self.state.buffered_positions = batch.stream_position, list(batch.carry)
         metrics.update({"async/staleness": float(self.state.global_step - batch.version_start),
                         "async/staleness_at_end": float(self.state.global_step - batch.version_end),
                         "async/weights_version": float(batch.version_start),
@@ -252,34 +254,30 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         thread (sync) or in the generator thread (async), which then owns the prompt stream."""
         cfg = self.cfg
         n, need = cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size
-        kept: list = []
-        generated_groups = passed_groups = rounds = 0
-        all_trajs: list = []
         dropped: dict[str, float] = {}
-        self.engine.wake_up()
-        while len(kept) < need and rounds <= cfg.algo.max_filter_refills:
-            start = self.stream.position
-            idx = self.stream.take(need - len(kept))
-            reqs, params = self._requests(idx, list(range(start, start + len(idx))), n, cfg.rollout.temperature,
-                                          self.max_new_tokens, salt=0)
+
+        def generate(idx: list[int], positions: list[int]) -> list:
+            reqs, params = self._requests(idx, positions, n, cfg.rollout.temperature, self.max_new_tokens, salt=0)
             trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
-            trajs, counts = drop_failed_groups(trajs, n)  # failed environments / registry filters
-            for k, v in counts.items():
-                dropped[k] = dropped.get(k, 0.0) + v
-            all_trajs.extend(trajs)
-            groups = [trajs[g * n : (g + 1) * n] for g in range(len(trajs) // n)]
-            generated_groups += len(groups)
-            if cfg.algo.dynamic_filtering_enable:
-                lo, hi = cfg.algo.dynamic_filtering_range
-                keep = dynamic_filter(torch.tensor([t.score for t in trajs]), n, lo, hi).tolist()
-                groups = [g for g, k in zip(groups, keep) if k]
-            passed_groups += len(groups)
-            kept.extend(groups)
-            rounds += 1
-            if not cfg.algo.dynamic_filtering_enable:
-                break
+            groups = []
+            for g in range(len(positions)):  # failed environments / registry filters drop their group
+                group, counts = drop_failed_groups(trajs[g * n : (g + 1) * n], n)
+                for k, v in counts.items():
+                    dropped[k] = dropped.get(k, 0.0) + v
+                groups.append(group or None)
+            return groups
+
+        def accept(group) -> bool:
+            lo, hi = cfg.algo.dynamic_filtering_range
+            return bool(dynamic_filter(torch.tensor([t.score for t in group]), n, lo, hi)[0])
+
+        self.engine.wake_up()  # oversampling buffer and its resume accounting: trainers/rl_data.py
+        got = gather_groups(self.stream, self.rollout_buffer, need=need, round_size=cfg.rollout.vllm_generate_batch_size,
+                            generate=generate, accept=accept if cfg.algo.dynamic_filtering_enable else None,
+                            max_refills=cfg.algo.max_filter_refills)
         self.engine.sleep()
-        kept = kept[:need]
+        kept, rounds, generated_groups, passed_groups = got.groups, got.rounds, got.generated_groups, got.passed_groups
+        all_trajs = got.generated or [t for g in kept for t in g]  # metrics: what this step generated
         if not kept and not all_trajs:
             raise AgentError(f"every prompt group of this step was dropped ({dropped}); see the messages above")
         if not kept:
@@ -298,6 +296,8 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
             "rollout/truncated_frac": _mean(float(t.truncated) for t in all_trajs),
             "rollout/filter_pass_rate": passed_groups / max(generated_groups, 1),
             "rollout/generation_rounds": float(rounds),
+            "rollout/prompts_consumed": float(got.new_prompts), "rollout/groups_from_buffer": float(got.from_buffer),
+            "rollout/buffered_groups": float(len(self.rollout_buffer.groups)),
             "rollout/samples": float(len(trajs)),
             **{f"rollout/{k}": v for k, v in dropped.items()},
         }
@@ -309,7 +309,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         for key in sorted({k for t in all_trajs for k in t.extra}):
             metrics[f"rollout/{key}"] = _mean(float(t.extra.get(key, 0.0)) for t in all_trajs)
         metrics.update(getattr(self.engine, "step_metrics", dict)())  # engine actors: restarts, requests each
-        return trajs, metrics, self.stream.position
+        return trajs, metrics, self.stream.position, self.rollout_buffer.positions()
 
     # ------------------------------------------------------------------------------------ experience
     def shaped_rewards(self, trajs) -> torch.Tensor:

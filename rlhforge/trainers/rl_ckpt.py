@@ -28,10 +28,13 @@ class RLState:
     kl_controller: dict = field(default_factory=dict)
     best_metric: float | None = None
     best_step: int | None = None
+    buffered_positions: list = field(default_factory=list)
+    """Stream positions of prompt groups generated but not trained yet (oversampling; rl_data.GroupBuffer)."""
 
     def as_dict(self) -> dict:
         return {"global_step": self.global_step, "prompt_position": self.prompt_position,
-                "kl_controller": self.kl_controller, "best_metric": self.best_metric, "best_step": self.best_step}
+                "kl_controller": self.kl_controller, "best_metric": self.best_metric, "best_step": self.best_step,
+                "buffered_positions": list(self.buffered_positions)}
 
 
 def rl_guard(cfg) -> RunGuard:
@@ -73,11 +76,13 @@ class RLCheckpointing:
         state = load_checkpoint(self._ckpt_strategies(), path)
         self.state = RLState(global_step=int(state["global_step"]), prompt_position=int(state["prompt_position"]),
                              kl_controller=state.get("kl_controller") or {}, best_metric=state.get("best_metric"),
-                             best_step=state.get("best_step"))
+                             best_step=state.get("best_step"),
+                             buffered_positions=[int(p) for p in state.get("buffered_positions", [])])
         self.guard.load_state_dict(state.get("faults"))
         if self.state.kl_controller:
             self.kl_ctl.load_state_dict(self.state.kl_controller)
         self.stream.position = self.state.prompt_position
+        self.rollout_buffer.pending = list(self.state.buffered_positions)  # generated again first (rl_data.py)
         self.logger.truncate_after(self.state.global_step)
         print(f"[rlhforge] resumed from {path} at step {self.state.global_step}")
 

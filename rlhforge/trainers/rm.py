@@ -28,6 +28,7 @@ import torch
 
 from rlhforge.algorithms.aggregation import aggregate_seq_mean_token_sum
 from rlhforge.algorithms.preference_losses import get_rm_loss
+from rlhforge.backend.autotp import copies, data_shard
 from rlhforge.backend.device import peak_memory_bytes
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
@@ -79,15 +80,22 @@ class RMTrainer:
         self.state = RMState()
         self.guard = guard_for(cfg, strategy)  # preemption, non-finite steps, checkpoint write errors
         self.step_skipped = False  # the last optimizer step was skipped (non-finite loss or gradient norm)
+        from rlhforge.models.moe import aux_loss_enabled
+
+        coef = cfg.model.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
+        self.aux_loss_coef = coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
+        self.aux = None  # the last training micro-batch's balancing loss (differentiable)
 
     # -- one micro-batch -------------------------------------------------------------------------
-    def _rewards(self, samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(chosen rewards [B], rejected rewards [B], margins [B]) of ``samples`` in one forward pass."""
+    def _rewards(self, samples, with_aux: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen rewards [B], rejected rewards [B], margins [B]) of ``samples`` in one forward pass
+        (with ``with_aux``, the MoE load-balancing loss of that forward goes to ``self.aux``)."""
         batch = collate_pairs(samples, self.tokenizer.pad_token_id, packed=self.cfg.ds.packing_samples)
         device = self.strategy.device
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with self.strategy.autocast():
-            rewards = sequence_rewards(self.model, batch, self.cfg.ds.value_head_prefix)
+            rewards = sequence_rewards(self.model, batch, self.cfg.ds.value_head_prefix, return_aux_loss=with_aux)
+        rewards, self.aux = rewards if with_aux else (rewards, None)
         if self.cfg.model.compute_fp32_loss_enable:
             rewards = rewards.float()
         n = len(samples)
@@ -111,7 +119,7 @@ class RMTrainer:
         cfg, strategy, plan = self.cfg, self.strategy, self.plan
         while self.state.global_step < plan.total_steps:
             epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
-                                                             cfg.train.seed, strategy)
+                                                             cfg.train.seed, strategy, shard=data_shard(strategy))
             start = time.perf_counter()
             metrics = self.train_step(indices)
             self.state.global_step += 1
@@ -146,12 +154,17 @@ class RMTrainer:
         groups = pad_micro_batch_count(strategy, groups)
         # loss, correct, chosen reward, rejected reward, tokens
         totals = torch.zeros(5, dtype=torch.float64)
+        aux_total = torch.zeros(2)
         for k, group in enumerate(groups):
             is_dummy = group is None
             chunk = [samples[indices[0]]] if is_dummy else [samples[i] for i in group]
-            chosen, rejected, margin = self._rewards(chunk)
+            chosen, rejected, margin = self._rewards(chunk, with_aux=bool(self.aux_loss_coef))
             loss_sum = self._loss_sum(chosen, rejected, margin)
             loss = pair_mean_share(loss_sum, global_pairs, strategy.world_size)
+            if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
+                loss = loss + self.aux_loss_coef * self.aux / len(groups)
+                if not is_dummy:
+                    aux_total += torch.stack([self.aux.detach().float().cpu(), torch.ones(())])
             strategy.backward(loss * 0.0 if is_dummy else loss, is_last_micro_batch=k == len(groups) - 1)
             if not is_dummy:
                 c, r = chosen.detach().double().cpu(), rejected.detach().double().cpu()
@@ -159,9 +172,16 @@ class RMTrainer:
                                        torch.tensor(float(sum(len(s) for s in chunk)), dtype=torch.float64)])
         stats = strategy.step()
         self.step_skipped = bool(stats.get("skipped", 0.0))
-        totals = strategy.all_reduce(totals, op="sum")
+        # AutoTP: sums count each pair once per tensor-parallel rank (the loss scale wants it); metrics do not
+        c = copies(strategy)
+        totals = strategy.all_reduce(totals, op="sum") / c
         loss, correct, chosen_sum, rejected_sum, tokens = totals.tolist()
-        return {"train/loss": loss / global_pairs, "train/acc": correct / global_pairs,
+        global_pairs = global_pairs / c
+        out = {}
+        if self.aux_loss_coef:
+            aux_sum, passes = strategy.all_reduce(aux_total, op="sum").tolist()
+            out["train/aux_loss"] = aux_sum / max(passes, 1.0)
+        return {**out, "train/loss": loss / global_pairs, "train/acc": correct / global_pairs,
                 "train/chosen_reward": chosen_sum / global_pairs, "train/rejected_reward": rejected_sum / global_pairs,
                 "train/reward_margin": (chosen_sum - rejected_sum) / global_pairs,
                 "train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"], "train/pairs": global_pairs,
@@ -172,7 +192,8 @@ class RMTrainer:
         """Loss/accuracy/reward statistics of ``samples`` (sharded over ranks, reduced)."""
         strategy = self.strategy
         strategy.eval()
-        shard = list(range(strategy.rank, len(samples), strategy.world_size))
+        rank, ranks = data_shard(strategy)  # AutoTP: a tensor-parallel group shares one shard
+        shard = list(range(rank, len(samples), ranks))
         mb = self.cfg.train.micro_batch_size
         batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
         # loss, correct, chosen sum, rejected sum, sum of all rewards^2, pairs
@@ -187,7 +208,8 @@ class RMTrainer:
             totals += torch.stack([loss_sum.double().cpu(), (c > r).double().sum(), c.sum(), r.sum(),
                                    c.square().sum() + r.square().sum(), torch.tensor(float(len(group)), dtype=torch.float64)])
         strategy.train()
-        loss, correct, chosen_sum, rejected_sum, sq_sum, pairs = strategy.all_reduce(totals, op="sum").tolist()
+        loss, correct, chosen_sum, rejected_sum, sq_sum, pairs = (
+            strategy.all_reduce(totals, op="sum") / copies(strategy)).tolist()
         pairs = max(pairs, 1.0)
         mean = (chosen_sum + rejected_sum) / (2 * pairs)
         std = max(math.sqrt(max(sq_sum / (2 * pairs) - mean * mean, 0.0)), 1e-8)

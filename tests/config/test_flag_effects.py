@@ -42,25 +42,33 @@ RL_BASE = ["--actor.model_name_or_path", MISSING, "--data.prompt_dataset", "buil
            "--reward.remote_url", "builtin:arithmetic", "--rollout.batch_size", "8", "--train.batch_size", "8"]
 
 RL_REFUSED = [
-    "--rollout.vllm_generate_batch_size", "--rollout.max_tokens_per_gpu", "--train.dynamic_batch_enable",
-    "--train.max_tokens_per_gpu", "--train.enable_ema", "--actor.aux_loss_coef",
-    "--actor.freeze_visual_encoder", "--data.max_images_per_prompt", "--data.image_key", "--ds.use_universal_ckpt",
-    "--ds.deepcompile", "--ds.use_liger_kernel", "--ds.ring_attn_size", "--ds.ring_attn_head_stride",
-    "--ds.tensor_parallel_size", "--ds.experts_implementation", "--algo.kl.unbiased_gradient", "--use_ms",
+    "--actor.freeze_visual_encoder", "--data.max_images_per_prompt", "--data.image_key",
+    "--ds.deepcompile", "--ds.use_liger_kernel", "--ds.tensor_parallel_size", "--use_ms",
 ]
 RL_NOTICE = [
     # always in this project
-    "--train.ema_beta", "--data.dataloader_num_workers",
+    "--data.dataloader_num_workers",
+    # without --train.enable_ema
+    "--train.ema_beta",
+    # without --train.dynamic_batch_enable (fixed micro-batches)
+    "--train.max_tokens_per_gpu", "--rollout.max_tokens_per_gpu",
+    # without --algo.kl.use_loss (the KL is a reward penalty)
+    "--algo.kl.unbiased_gradient",
+    # without --actor.optim muon / --critic.optim muon
+    *[f"--{role}.muon.{name}" for role in ("actor", "critic") for name in ("lr", "momentum", "ns_steps", "nesterov")],
     # without Ray workers, a critic and a reward model (--reward.offload: without a reward model)
     "--train.colocate_critic_reward", "--reward.num_nodes", "--reward.num_gpus_per_node", "--reward.offload",
     # DeepSpeed-only: when no worker group runs DeepSpeed (one process -> plain torch)
     "--ds.zero_stage", "--ds.zpg", "--ds.adam_offload", "--ds.overlap_comm", "--ds.grad_accum_dtype",
+    "--ds.use_universal_ckpt",
     # without --vllm.num_engines (the HF engine) / without Ray workers
     "--vllm.tensor_parallel_size", "--vllm.enable_prefix_caching", "--vllm.enforce_eager", "--vllm.enable_sleep",
     "--vllm.gpu_memory_utilization", "--vllm.sync_with_ray", "--vllm.sync_bucket_mb", "--vllm.sync_backend",
     "--vllm.max_restarts", "--vllm.request_timeout_s",
     # without an HTTP reward server
     "--reward.api_key", "--reward.wait_for_server_s",
+    # without --ds.ring_attn_size > 1
+    "--ds.ring_attn_head_stride",
 ]
 #: values for flags whose automatic non-default value would not show the point
 RL_VALUES = {"--ds.experts_implementation": ["eager"], "--ds.grad_accum_dtype": ["fp32"], "--vllm.sync_backend": ["gloo"],
@@ -83,7 +91,14 @@ PROOFS = {
     "--critic.freezing_steps": "tests/rl/test_rl_train.py",  # actor/frozen is 1 then 0
     "--critic.save_value_network": "tests/rl/test_rl_train.py",  # critic/model.safetensors is written
     "--algo.kl.use_loss": "tests/rl/test_rl_train.py",  # actor/kl_loss is logged
+    "--algo.kl.unbiased_gradient": "tests/algorithms/test_kl_unbiased.py",  # gradient by hand and in expectation
     "--algo.dynamic_filtering_enable": "tests/rl/test_rl_train.py",  # filter pass rate in (0, 1]
+    "--ds.ring_attn_size": "tests/distributed/test_ray_ring.py",  # 2 ring ranks = the 1-process run
+    "--train.dynamic_batch_enable": "tests/rl/test_dynamic_batching.py",
+    "--ds.use_universal_ckpt": "tests/backend/test_universal_ckpt.py",
+    "--actor.aux_loss_coef": "tests/models/test_families.py",  # actor/aux_loss logged in GRPO on MoE
+    "--ds.experts_implementation": "tests/models/test_moe_aux.py",  # validated, passed to from_pretrained
+    "--rollout.vllm_generate_batch_size": "tests/rl/test_oversampling.py",  # prompts counted across steps and a resume  # 2 ranks -> 1: weights, moments, losses  # equal loss/grads, fewer passes
     "--ckpt.save_steps": "tests/rl/test_rl_train.py",
     "--ckpt.max_num": "tests/rl/test_rl_train.py",
     "--train.async_enable": "tests/distributed/test_async.py",
@@ -190,15 +205,17 @@ def test_works_samples_have_proving_tests():
 # --------------------------------------------------------------------------------------------- sft / rm / dpo
 
 TRAIN_BASE = ["--model.model_name_or_path", MISSING, "--data.dataset", "builtin:arithmetic"]
-COMMON_REFUSED = ["--ds.use_universal_ckpt", "--ds.deepcompile", "--ds.use_liger_kernel", "--ds.ring_attn_size",
-                  "--ds.ring_attn_head_stride", "--ds.tensor_parallel_size", "--ds.experts_implementation",
-                  "--model.aux_loss_coef", "--use_ms", "--optim.name"]
+COMMON_REFUSED = ["--ds.deepcompile", "--ds.use_liger_kernel", "--ds.ring_attn_size",
+                  "--ds.ring_attn_head_stride", "--ds.tensor_parallel_size", "--use_ms"]
 COMMON_NOTICE = ["--ds.zero_stage", "--ds.zpg", "--ds.adam_offload", "--ds.overlap_comm", "--ds.grad_accum_dtype",
+                 "--ds.use_universal_ckpt",
                  "--data.dataloader_num_workers", "--optim.muon.lr", "--optim.muon.momentum", "--optim.muon.ns_steps",
                  "--optim.muon.nesterov"]
 PREFERENCE_REFUSED = ["--model.pretrain_mode_enable"]
 COMMAND_TABLES = {
-    "sft": (_table(dataclass_flags(SFTConfig), COMMON_REFUSED, COMMON_NOTICE), SFTConfig),
+    # ring attention runs in SFT (tests/trainers/test_sft_ring.py); the head stride alone does nothing
+    "sft": (_table(dataclass_flags(SFTConfig), [f for f in COMMON_REFUSED if f not in ("--ds.ring_attn_size",
+            "--ds.ring_attn_head_stride")], COMMON_NOTICE + ["--ds.ring_attn_head_stride"]), SFTConfig),
     "rm": (_table(dataclass_flags(RMConfig), COMMON_REFUSED + PREFERENCE_REFUSED, COMMON_NOTICE), RMConfig),
     "dpo": (_table(dataclass_flags(DPOConfig), COMMON_REFUSED + PREFERENCE_REFUSED, COMMON_NOTICE), DPOConfig),
 }

@@ -176,6 +176,6 @@ def test_rollout_extra_metrics_average_over_every_sample(tmp_path):
 
     t = _trainer(_cfg("--algo.advantage.estimator", "reinforce", "--algo.kl.init_coef", "0"), tmp_path,
                  executor=Executor())
-    _, metrics, _ = t.rollout()
+    _, metrics, *_ = t.rollout()  # (trajs, metrics, stream position, buffered positions)
     # over all 4 samples, a missing key counting as 0: a = (2 + 4 + 0 + 6) / 4 = 3, b = (1 + 0 + 0 + 3) / 4 = 1
     assert metrics["rollout/a"] == pytest.approx(3.0) and metrics["rollout/b"] == pytest.approx(1.0)

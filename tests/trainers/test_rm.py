@@ -111,8 +111,8 @@ def test_openrlhf_flags_parse_and_bad_values_fail_clearly(tiny_model_dir):
     assert legacy.model.loss_type == "logexp" and legacy.data.prompt_key == "q"
     with pytest.raises(ConfigError, match="'hinge' is not a reward-model loss; valid: sigmoid, logexp"):
         parse_args(RMConfig, base + ["--model.loss_type", "hinge"])
-    with pytest.raises(ConfigError, match="aux_loss_coef"):
-        parse_args(RMConfig, base + ["--model.aux_loss_coef", "0.1"])
+    with pytest.raises(ConfigError, match="aux_loss_coef must be >= 0"):
+        parse_args(RMConfig, base + ["--model.aux_loss_coef", "-0.1"])
     with pytest.raises(ConfigError, match="ring_attn_size 2 is not supported"):
         parse_args(RMConfig, base + ["--ds.ring_attn_size", "2"])
     with pytest.raises(ConfigError, match="input_template.*prompt_key"):
