@@ -13,86 +13,39 @@ inside N Ray actors, one data-parallel rank each. Workers:
 - :class:`ActorWorker`: the policy (strategy, optimizer, scheduler); log-probs, PPO/GSPO updates,
   full state dict for weight sync and export.
 - :class:`RefWorker`: a frozen copy of the initial policy; log-probs.
-- :class:`CriticWorker`: a value model (sequence classifier with one label, read per token);
-  values and clipped value-loss updates.
+- :class:`CriticWorker` (:mod:`rlhforge.distributed.critic_worker`, re-exported here): a value model
+  (sequence classifier with one label, read per token); values and clipped value-loss updates.
+
+What they share (checkpoint state, export, sleep, metric reduction) is in
+:mod:`rlhforge.distributed.worker_base`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from rlhforge.algorithms import (
-    aggregate_loss,
-    entropy_bonus,
-    entropy_from_logits,
-    get_policy_loss,
-    kl_loss,
-    value_loss,
-)
+from rlhforge.algorithms import aggregate_loss, entropy_bonus, get_policy_loss, kl_loss
 from rlhforge.algorithms.kl import kl_loss_unbiased_gradient
-from rlhforge.config.batching import BatchPlan
-from rlhforge.distributed.groups import InProcessGroup
 from rlhforge.backend.device import seed_everything
-from rlhforge.models.forward import is_packed, token_logprobs
-from rlhforge.distributed.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
+from rlhforge.distributed.critic_worker import CriticWorker, token_values
+from rlhforge.distributed.experience import ExperienceSample, collate_experience
+from rlhforge.distributed.groups import InProcessGroup
 from rlhforge.distributed.micro_batches import micro_batch_groups, packed_as_rows
+from rlhforge.distributed.worker_base import (
+    TrainableWorker,
+    per_sample,
+    plan_for,
+    reduce_step_metrics,
+    shifted_entropy,
+    to_device,
+)
+from rlhforge.models.forward import token_logprobs
 
 __all__ = ["InProcessGroup", "ActorWorker", "RefWorker", "CriticWorker", "token_values", "PolicyLossSpec",
            "reduce_step_metrics"]
-
-
-class _TrainableWorker:
-    """What actor and critic workers share: checkpoint state, export, memory, sleep."""
-
-    strategy: Any
-    tokenizer: Any
-    train_tokens: int | None = None
-    """``--train.dynamic_batch_enable``: token budget of a training micro-batch (None: fixed micro-batches)."""
-    pass_tokens: int | None = None
-    """... and of a no-grad (log-prob / value) micro-batch (``--rollout.max_tokens_per_gpu``)."""
-
-    ema: Any = None
-    """``--train.enable_ema`` (actor): a ``backend.ema.ParamEMA``; HF exports write the EMA weights and
-    resume states hold it (weight sync and training use the live weights)."""
-
-    def save_state(self, directory) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        self.strategy.save_state(Path(directory))
-        if self.ema is not None:
-            self.ema.save(directory)
-
-    def load_state(self, directory) -> None:
-        self.strategy.load_state(Path(directory))
-        if self.ema is not None:
-            self.ema.load(directory)
-
-    def save_hf(self, out_dir) -> None:
-        import contextlib
-
-        from rlhforge.models.export import save_hf
-
-        with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
-            save_hf(self.strategy, self.tokenizer, Path(out_dir))
-
-    def peak_memory_gb(self) -> float:
-        from rlhforge.backend.device import peak_memory_bytes
-
-        return peak_memory_bytes(self.strategy.device) / 2**30
-
-    def offload_states(self) -> dict:
-        """``--ds.enable_sleep``: optimizer states to host memory between training phases."""
-        from rlhforge.backend.sleep import offload_states
-
-        return offload_states(self.strategy)
-
-    def reload_states(self) -> dict:
-        from rlhforge.backend.sleep import reload_states
-
-        return reload_states(self.strategy)
 
 
 def check_routing_replay(model, device) -> None:
@@ -105,66 +58,6 @@ def check_routing_replay(model, device) -> None:
             check_replayable(model, torch.arange(8, device=device)[None] % 5 + 1)
     except ValueError as err:
         raise ConfigError(f"--train.routing_replay: {err}") from err
-
-
-def _to(batch: dict, device) -> dict:
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def _per_sample(x: torch.Tensor, batch: dict, samples: Sequence[ExperienceSample]) -> list[torch.Tensor]:
-    x = x.detach().float().cpu()
-    if is_packed(batch):
-        return [t.clone() for t in split_packed(x, batch["seq_lens"])]
-    return unpad_rows(x, [len(s) for s in samples])
-
-
-def shifted_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, T] entropy of the distribution that predicted token t (0 at t = 0)."""
-    ent = entropy_from_logits(logits[:, :-1], temperature=temperature)
-    return torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
-
-
-def _train_cfg_for(cfg) -> Any:
-    return cfg.train
-
-
-def _plan(micro_batch_size: int, grad_accum: int, total: int) -> BatchPlan:
-    return BatchPlan(batch_size=micro_batch_size * grad_accum, world_size=1, micro_batch_size=micro_batch_size,
-                     per_rank_batch=micro_batch_size * grad_accum, grad_accum_steps=grad_accum, steps_per_epoch=total,
-                     total_steps=total)
-
-
-def reduce_step_metrics(dp_scaled: dict[str, float], token_weighted: dict[str, float], all_reduce,
-                        world_size: int) -> dict[str, float]:
-    """Per-rank metrics of one optimizer step -> the step's global values, in one all-reduce (sum).
-
-    The two kinds need different reductions:
-
-    - ``dp_scaled``: losses built by ``aggregate_loss`` (``policy_loss``, ``kl_loss``,
-      ``value_loss``). Each rank's value is ``sum over its tokens * dp / N_global`` (the
-      ``dp_size`` scaling that makes averaged gradients exact), so the global value is the
-      **mean** over ranks: ``sum / dp``.
-    - ``token_weighted``: everything else (``entropy``, and whatever the policy / value loss
-      returns: ``clip_frac``, ``approx_kl``, ``ratio_mean``, ``dual_clip_frac``, ``values_mean``
-      ...). Each rank's value is ``sum over its micro-batches of (micro-batch mean x micro-batch
-      tokens / N_global)``: a partial sum of the global token mean, so the global value is the
-      **sum** over ranks.
-
-    ``all_reduce(tensor, op="sum")`` is the strategy's (identity with one rank). Pure arithmetic
-    otherwise; ``tests/distributed/test_metric_reduction.py`` checks it on 1 vs 2 ranks.
-    """
-    both = set(dp_scaled) & set(token_weighted)
-    if both:
-        raise ValueError(f"metrics {sorted(both)} are listed as both dp-scaled and token-weighted")
-    keys = sorted(dp_scaled) + sorted(token_weighted)
-    values = {**dp_scaled, **token_weighted}
-    if not keys:
-        return {}
-    summed = all_reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64), op="sum").tolist()
-    out = {k: float(v) for k, v in zip(keys, summed)}
-    for k in dp_scaled:
-        out[k] /= world_size
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +85,7 @@ class PolicyLossSpec:
     old-log-prob pass is skipped. Also reports the rollout-vs-trainer log-prob gap from this forward."""
 
 
-class ActorWorker(_TrainableWorker):
+class ActorWorker(TrainableWorker):
     ring = None  # this rank's context_parallel.RingGroup with --ds.ring_attn_size > 1
     ring_size = 1
     routing_replay = False  # --train.routing_replay: batches carry the rollout's MoE routing
@@ -203,8 +96,8 @@ class ActorWorker(_TrainableWorker):
         from rlhforge.models.loading import load_causal_lm
 
         self.cfg, self.tokenizer = cfg, tokenizer
-        plan = _plan(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
-        self.strategy = build_strategy(cfg.ds, cfg.actor.optim_config(), _train_cfg_for(cfg), plan)
+        plan = plan_for(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
+        self.strategy = build_strategy(cfg.ds, cfg.actor.optim_config(), cfg.train, plan)
         seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
         model = load_causal_lm(cfg.actor.model_name_or_path, cfg.actor, cfg.ds, self.strategy.device)
         if cfg.ds.ring_attn_size > 1:
@@ -256,11 +149,11 @@ class ActorWorker(_TrainableWorker):
         for idx in micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
                                       self.strategy.all_reduce):
             chunk = [samples[i] for i in idx]
-            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
+            batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
                                            routing=self.routing_replay), self.device)
             with self.strategy.autocast():
                 lp = self._token_logprobs(batch, temperature)
-            for i, row in zip(idx, _per_sample(lp, batch, chunk)):
+            for i, row in zip(idx, per_sample(lp, batch, chunk)):
                 out[i] = row
         self.strategy.train()
         return out
@@ -286,7 +179,7 @@ class ActorWorker(_TrainableWorker):
         groups = [[samples[i] for i in idx] for idx in micro_batch_groups(
             [len(s) for s in samples], self.cfg.train.micro_batch_size, self.train_tokens, strategy.all_reduce)]
         for k, chunk in enumerate(groups):
-            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed,
+            batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed,
                                            routing=self.routing_replay), self.device)
             with strategy.autocast():
                 logp, logits, *aux = self._token_logprobs(batch, spec.temperature, return_logits=True,
@@ -439,107 +332,10 @@ class RefWorker:
         with self.frozen.use() as model:
             for idx in groups:
                 chunk = [samples[i] for i in idx]
-                batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
-                for i, row in zip(idx, _per_sample(token_logprobs(model, batch, temperature), batch, chunk)):
+                batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
+                for i, row in zip(idx, per_sample(token_logprobs(model, batch, temperature), batch, chunk)):
                     out[i] = row
         return out
 
     def offload_stats(self) -> dict:
         return self.frozen.stats()
-
-
-def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
-    """Critic values aligned like log-probs: ``values[:, t]`` = V(state before token t) = the value
-    head at position ``t - 1`` (0 at t = 0). [B, T] (or [1, N] packed), differentiable."""
-    from rlhforge.models.reward import value_head
-
-    captured: dict[str, torch.Tensor] = {}
-
-    def hook(_module, _inputs, output):
-        captured["v"] = output
-
-    rows = None
-    if is_packed(batch):  # bounded rows, as for log-probs: attention never spans the whole micro-batch
-        from rlhforge.models.forward import packed_model_inputs
-
-        kwargs, rows = packed_model_inputs(model, batch)
-    else:
-        kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                  "position_ids": batch.get("position_ids"), "use_cache": False}
-    handle = value_head(model, prefix).register_forward_hook(hook)
-    try:
-        model(**kwargs)
-    finally:
-        handle.remove()
-    v = captured["v"][..., 0].float()
-    if rows is not None:
-        v = rows.to_packed(v)
-    v = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
-    if is_packed(batch):  # packed: 0 at each sample's first token too (the shift carried the previous sample's last)
-        from rlhforge.models.forward import prediction_mask
-
-        v = v * prediction_mask(batch).to(v.dtype)
-    return v
-
-
-class CriticWorker(_TrainableWorker):
-    def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
-        from rlhforge.backend.factory import build_strategy
-        from rlhforge.models.reward import load_reward_model
-
-        self.cfg, self.tokenizer = cfg, tokenizer
-        from rlhforge.rewards.sources import reward_model_paths
-
-        first_rm = (reward_model_paths(cfg.reward.model_name_or_path) or [None])[0]  # OpenRLHF: the first reward model
-        path = cfg.critic.model_name_or_path or first_rm or cfg.actor.model_name_or_path
-        plan = _plan(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
-        self.strategy = build_strategy(cfg.ds, cfg.critic.optim_config(), cfg.train, plan)
-        seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)  # a new value head: same init on
-        # every rank and in every process layout (in-process or Ray)
-        model = load_reward_model(path, cfg.critic, cfg.ds, self.strategy.device, pad_token_id=tokenizer.pad_token_id,
-                                  value_head_prefix=cfg.ds.value_head_prefix)
-        self.model = self.strategy.prepare(model, max(total_updates, 1))
-        self.device, self.packed, self.prefix = self.strategy.device, cfg.ds.packing_samples, cfg.ds.value_head_prefix
-        self.train_tokens, self.pass_tokens = cfg.token_budgets()
-        self.path = path
-
-    @torch.no_grad()
-    def values(self, samples, micro_batch_size: int) -> list[torch.Tensor]:
-        self.strategy.eval()
-        out: list = [None] * len(samples)
-        for idx in micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
-                                      self.strategy.all_reduce):
-            chunk = [samples[i] for i in idx]
-            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
-            with self.strategy.autocast():
-                v = token_values(self.model, batch, self.prefix)
-            for i, row in zip(idx, _per_sample(v, batch, chunk)):
-                out[i] = row
-        self.strategy.train()
-        return out
-
-    def train_step(self, samples, value_clip: float | None) -> dict[str, float]:
-        strategy = self.strategy
-        local_tokens = sum(sum(s.loss_mask) for s in samples)
-        global_tokens = float(strategy.all_reduce(torch.tensor(float(local_tokens)), op="sum"))
-        losses = {"value_loss": 0.0}  # dp-scaled (aggregate_loss): mean over ranks
-        weighted = {"clip_frac": 0.0, "values_mean": 0.0}  # token-share weighted: sum over ranks
-        groups = [[samples[i] for i in idx] for idx in micro_batch_groups(
-            [len(s) for s in samples], self.cfg.train.micro_batch_size, self.train_tokens, strategy.all_reduce)]
-        for k, chunk in enumerate(groups):
-            batch = _to(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed), self.device)
-            mask = batch["loss_mask"]
-            with strategy.autocast():
-                values = token_values(self.model, batch, self.prefix)
-            tok_loss, metrics = value_loss(values, batch["values"], batch["returns"], mask, value_clip=value_clip)
-            loss = aggregate_loss(tok_loss, mask, "token_mean", global_tokens=global_tokens, dp_size=strategy.world_size)
-            strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
-            weight = float(mask.sum()) / max(global_tokens, 1.0)
-            losses["value_loss"] += float(loss.detach())
-            weighted["clip_frac"] += float(metrics["clip_frac"]) * weight
-            weighted["values_mean"] += float(metrics["values_mean"]) * weight
-        stats = strategy.step()
-        out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
-        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"], skipped=stats.get("skipped", 0.0))  # 1: not finite
-        out["micro_batches"] = float(len(groups))  # forward/backward passes of this step on each rank
-        return out

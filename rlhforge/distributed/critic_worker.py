@@ -1,0 +1,112 @@
+"""The critic's worker: a value model (sequence classifier with one label, read per token); values
+and clipped value-loss updates (:mod:`rlhforge.distributed.workers` has the actor and the reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhforge.algorithms import aggregate_loss, value_loss
+from rlhforge.backend.device import seed_everything
+from rlhforge.distributed.experience import collate_experience
+from rlhforge.distributed.micro_batches import micro_batch_groups
+from rlhforge.distributed.worker_base import TrainableWorker, per_sample, plan_for, reduce_step_metrics, to_device
+from rlhforge.models.forward import is_packed
+
+__all__ = ["CriticWorker", "token_values"]
+
+
+def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
+    """Critic values aligned like log-probs: ``values[:, t]`` = V(state before token t) = the value
+    head at position ``t - 1`` (0 at t = 0). [B, T] (or [1, N] packed), differentiable."""
+    from rlhforge.models.reward import value_head
+
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(_module, _inputs, output):
+        captured["v"] = output
+
+    rows = None
+    if is_packed(batch):  # bounded rows, as for log-probs: attention never spans the whole micro-batch
+        from rlhforge.models.forward import packed_model_inputs
+
+        kwargs, rows = packed_model_inputs(model, batch)
+    else:
+        kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                  "position_ids": batch.get("position_ids"), "use_cache": False}
+    handle = value_head(model, prefix).register_forward_hook(hook)
+    try:
+        model(**kwargs)
+    finally:
+        handle.remove()
+    v = captured["v"][..., 0].float()
+    if rows is not None:
+        v = rows.to_packed(v)
+    v = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+    if is_packed(batch):  # packed: 0 at each sample's first token too (the shift carried the previous sample's last)
+        from rlhforge.models.forward import prediction_mask
+
+        v = v * prediction_mask(batch).to(v.dtype)
+    return v
+
+
+class CriticWorker(TrainableWorker):
+    def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
+        from rlhforge.backend.factory import build_strategy
+        from rlhforge.models.reward import load_reward_model
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        from rlhforge.rewards.sources import reward_model_paths
+
+        first_rm = (reward_model_paths(cfg.reward.model_name_or_path) or [None])[0]  # OpenRLHF: the first reward model
+        path = cfg.critic.model_name_or_path or first_rm or cfg.actor.model_name_or_path
+        plan = plan_for(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
+        self.strategy = build_strategy(cfg.ds, cfg.critic.optim_config(), cfg.train, plan)
+        seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)  # a new value head: same init on
+        # every rank and in every process layout (in-process or Ray)
+        model = load_reward_model(path, cfg.critic, cfg.ds, self.strategy.device, pad_token_id=tokenizer.pad_token_id,
+                                  value_head_prefix=cfg.ds.value_head_prefix)
+        self.model = self.strategy.prepare(model, max(total_updates, 1))
+        self.device, self.packed, self.prefix = self.strategy.device, cfg.ds.packing_samples, cfg.ds.value_head_prefix
+        self.train_tokens, self.pass_tokens = cfg.token_budgets()
+        self.path = path
+
+    @torch.no_grad()
+    def values(self, samples, micro_batch_size: int) -> list[torch.Tensor]:
+        self.strategy.eval()
+        out: list = [None] * len(samples)
+        for idx in micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
+                                      self.strategy.all_reduce):
+            chunk = [samples[i] for i in idx]
+            batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
+            with self.strategy.autocast():
+                v = token_values(self.model, batch, self.prefix)
+            for i, row in zip(idx, per_sample(v, batch, chunk)):
+                out[i] = row
+        self.strategy.train()
+        return out
+
+    def train_step(self, samples, value_clip: float | None) -> dict[str, float]:
+        strategy = self.strategy
+        local_tokens = sum(sum(s.loss_mask) for s in samples)
+        global_tokens = float(strategy.all_reduce(torch.tensor(float(local_tokens)), op="sum"))
+        losses = {"value_loss": 0.0}  # dp-scaled (aggregate_loss): mean over ranks
+        weighted = {"clip_frac": 0.0, "values_mean": 0.0}  # token-share weighted: sum over ranks
+        groups = [[samples[i] for i in idx] for idx in micro_batch_groups(
+            [len(s) for s in samples], self.cfg.train.micro_batch_size, self.train_tokens, strategy.all_reduce)]
+        for k, chunk in enumerate(groups):
+            batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed), self.device)
+            mask = batch["loss_mask"]
+            with strategy.autocast():
+                values = token_values(self.model, batch, self.prefix)
+            tok_loss, metrics = value_loss(values, batch["values"], batch["returns"], mask, value_clip=value_clip)
+            loss = aggregate_loss(tok_loss, mask, "token_mean", global_tokens=global_tokens, dp_size=strategy.world_size)
+            strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
+            weight = float(mask.sum()) / max(global_tokens, 1.0)
+            losses["value_loss"] += float(loss.detach())
+            weighted["clip_frac"] += float(metrics["clip_frac"]) * weight
+            weighted["values_mean"] += float(metrics["values_mean"]) * weight
+        stats = strategy.step()
+        out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
+        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"], skipped=stats.get("skipped", 0.0))  # 1: not finite
+        out["micro_batches"] = float(len(groups))  # forward/backward passes of this step on each rank
+        return out
