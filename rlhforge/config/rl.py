@@ -26,6 +26,7 @@ from rlhforge.config.components import (
     OptimConfig,
 )
 from rlhforge.config.parsing import secret
+from rlhforge.config.rl_algo import AdvantageConfig, AlgoConfig, KLConfig  # noqa: F401  (re-exported)
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -331,65 +332,6 @@ class RLTrainConfig:
     intermediate HF saves are the EMA, generation engines get the live weights (docs/optim.md)."""
     ema_beta: float = 0.992
     """EMA decay: ``ema = beta * ema + (1 - beta) * weights`` (needs ``enable_ema``)."""
-
-
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """Advantage estimation and rollout-vs-trainer importance-sampling correction."""
-
-    estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce"] = (
-        "gae"
-    )
-    """gae (PPO with a critic), reinforce (REINFORCE++), reinforce_baseline, rloo, group_norm (GRPO),
-    dr_grpo, flash_reinforce."""
-    gamma: float = 1.0
-    """Discount factor."""
-    lambd: float = 1.0
-    """GAE lambda."""
-    no_std_norm: bool = False
-    """Global whitening keeps the centring and drops the division by the std (as OpenRLHF: group_norm
-    still divides by the group std; for mean-centred groups use ``dr_grpo``)."""
-    is_correction_level: Literal["off", "token", "seq"] = "off"
-    """Importance-sampling correction between the rollout engine's and the trainer's log-probs."""
-    is_correction_mode: Literal["mask", "clip"] = "mask"
-    """Mask tokens/sequences outside the band, or clip their weights."""
-    is_correction_gating: Literal["ratio", "binary_kl", "tv"] = "ratio"
-    """Statistic compared with the band."""
-    is_correction_threshold: tuple[float, ...] = (0.5, 5.0)
-    """``low high`` band (one value: high only)."""
-
-
-@dataclass(frozen=True)
-class KLConfig:
-    """KL to the reference policy: as a reward penalty (default) or as a loss term."""
-
-    init_coef: float = 0.01
-    """Initial KL coefficient (0: no reference model)."""
-    target: float | None = None
-    """Adaptive controller target KL (None: fixed coefficient)."""
-    horizon: int = 10000
-    """Adaptive controller horizon."""
-    estimator: Literal["k1", "k2", "k3"] = "k1"
-    """KL estimator (k1 for the reward penalty; k2/k3 recommended with ``use_loss``)."""
-    use_loss: bool = False
-    """Add ``init_coef * KL`` to the policy loss instead of penalising the reward (GRPO style)."""
-    unbiased_gradient: bool = False
-    """With ``use_loss``: keep the KL term's value but back-propagate the importance-weighted reverse-KL
-    gradient ``min(pi/pi_old, 10) * (log pi - log pi_ref)`` per token (OpenRLHF PR 1309; docs/rl.md)."""
-
-
-@dataclass(frozen=True)
-class AlgoConfig:
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    kl: KLConfig = field(default_factory=KLConfig)
-    dynamic_filtering_enable: bool = False
-    """DAPO dynamic sampling: drop prompt groups whose mean score is outside the open range; refill
-    from the prompt stream until the rollout batch is full."""
-    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
-    """Keep groups whose mean score lies strictly inside this range."""
-    max_filter_refills: int = 8
-    """Give up refilling after this many extra generation rounds in one step (the step then trains on
-    what passed). rlhforge-specific."""
 
 
 @dataclass(frozen=True)
