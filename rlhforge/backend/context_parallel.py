@@ -40,6 +40,7 @@ __all__ = [
     "gather_ring",
     "use_ring_attention",
     "ring_token_logprobs",
+    "ring_sequence_rewards",
 ]
 
 
@@ -219,3 +220,34 @@ def ring_token_logprobs(model, batch: Mapping[str, Any], ring: RingGroup, temper
     if return_logits:
         return logps, gather_ring(logits, ring)[:, : part.total]
     return logps
+
+
+def ring_sequence_rewards(model, batch: Mapping[str, Any], ring: RingGroup, prefix: str = "score") -> Tensor:
+    """:func:`rlhforge.models.reward.sequence_rewards` of a packed batch, computed across the ring.
+
+    Each rank runs its slice and records the value head's per-token output; the ``[1, L]`` values of
+    all slices are gathered (a sample's last token lives on one ring rank) and every ring rank reads
+    the same ``[S]`` rewards at the samples' last tokens. Differentiable (the gather's backward keeps
+    this rank's slice); ``model`` must use ring attention (:func:`use_ring_attention`).
+    """
+    from rlhforge.models.reward import last_token_index, value_head
+
+    captured: dict[str, Tensor] = {}
+
+    def hook(_module, _inputs, output):
+        captured["values"] = output
+
+    part = slice_packed(batch, ring)
+    handle = value_head(model, prefix).register_forward_hook(hook)
+    try:
+        with ring_layout_active(part.layout):
+            model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    values = captured["values"]
+    if values.dim() == 3:
+        if values.shape[-1] != 1:
+            raise ValueError(f"the value head has {values.shape[-1]} outputs; a reward model has one label")
+        values = values[..., 0]
+    values = gather_ring(values, ring)[:, : part.total]  # [1, N]
+    return values[0, last_token_index(batch).to(values.device)]

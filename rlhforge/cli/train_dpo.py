@@ -71,29 +71,40 @@ def run(cfg: DPOConfig) -> Path:
         tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
                                    use_fast=not cfg.data.disable_fast_tokenizer)
         train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=False, use_margin=False)
+    ring_size = cfg.ds.ring_attn_size
     plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
                         micro_batch_size=cfg.train.micro_batch_size,
                         world_size=dist_info().world_size // max(cfg.ds.tensor_parallel_size, 1),  # AutoTP: dp ranks
-                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps)
+                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps, ring_size=ring_size)
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
     if processor is not None:
         model = load_vlm_model(cfg, strategy.device)
     else:
         model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
     ref_model = load_reference_model(cfg, strategy, vlm=processor is not None)
+    ring = None
+    if ring_size > 1:  # policy and reference run every packed row across the ring (docs/long_context.md)
+        from rlhforge.backend.context_parallel import new_ring_group, use_ring_attention
+
+        ring = new_ring_group(ring_size, cfg.ds.ring_attn_head_stride)
+        for m in (model, ref_model):
+            if m is not None:
+                use_ring_attention(m)
     wrapped = strategy.prepare(model, plan.total_steps)
-    reference = Reference(strategy, wrapped, ref_model, offload=cfg.ref.offload)
+    reference = Reference(strategy, wrapped, ref_model, offload=cfg.ref.offload, ring=ring)
     out = Path(cfg.ckpt.output_dir)
     if strategy.is_rank0:
         save_yaml(cfg, out / "config.yaml")
         variant = "ipo" if cfg.model.ipo_enable else ("cdpo" if cfg.model.label_smoothing > 0 else "dpo")
         print(f"[rlhforge] dpo ({variant}, beta {cfg.model.beta}): {len(train_samples)} train / {len(eval_samples)} "
-              f"eval pairs, {plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s), "
+              f"eval pairs, {plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s)"
+              f"{f' as {plan.world_size} data-parallel x {ring_size} ring-attention' if ring else ''}, "
               f"grad accumulation {plan.grad_accum_steps}, {type(strategy).__name__} on {strategy.device}, "
               f"reference: {reference.kind}{' (precomputed once)' if cfg.ref.precompute_enable else ''}")
     logger = MetricsLogger(out, cfg.logger, enabled=strategy.is_rank0, config=to_dict(cfg))
     try:
-        DPOTrainer(cfg, strategy, wrapped, reference, tokenizer, train_samples, eval_samples, plan, logger).fit()
+        DPOTrainer(cfg, strategy, wrapped, reference, tokenizer, train_samples, eval_samples, plan, logger,
+                   ring=ring).fit()
     finally:
         logger.close()
     return out

@@ -128,6 +128,7 @@ def build_trainer(cfg: RLConfig):
         train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.planned_micro_batch_size,
         rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=world, num_prompts=len(prompts),
         ring_size=cfg.ds.ring_attn_size,  # the actor data-parallel size is world / ring
+        tp_size=cfg.ds.tensor_parallel_size,  # ... / AutoTP size (backend/autotp.py)
         num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps,
     )
     placement = reward_group = None

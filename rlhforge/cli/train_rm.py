@@ -63,10 +63,11 @@ def run(cfg: RMConfig) -> Path:
                                use_fast=not cfg.data.disable_fast_tokenizer)
     train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=True,
                                                        use_margin=cfg.model.margin_loss_enable)
+    ring_size = cfg.ds.ring_attn_size
     plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
                         micro_batch_size=cfg.train.micro_batch_size,
                         world_size=dist_info().world_size // max(cfg.ds.tensor_parallel_size, 1),  # AutoTP: dp ranks
-                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps)
+                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps, ring_size=ring_size)
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
     model = load_reward_model(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device,
                               pad_token_id=tokenizer.pad_token_id, value_head_prefix=cfg.ds.value_head_prefix)
@@ -74,16 +75,23 @@ def run(cfg: RMConfig) -> Path:
         print("[rlhforge] rm: warning: the pad token is the EOS token; HF's AutoModelForSequenceClassification "
               "forward will read the reward one token before the final EOS (rlhforge's own scoring is unaffected). "
               "Give the tokenizer a separate pad token to make them agree.")
+    ring = None
+    if ring_size > 1:  # every packed row runs across the ring (docs/long_context.md)
+        from rlhforge.backend.context_parallel import new_ring_group, use_ring_attention
+
+        ring = new_ring_group(ring_size, cfg.ds.ring_attn_head_stride)
+        use_ring_attention(model)
     wrapped = strategy.prepare(model, plan.total_steps)
     out = Path(cfg.ckpt.output_dir)
     if strategy.is_rank0:
         save_yaml(cfg, out / "config.yaml")
         print(f"[rlhforge] rm: {len(train_samples)} train / {len(eval_samples)} eval pairs, "
-              f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s), "
+              f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s)"
+              f"{f' as {plan.world_size} data-parallel x {ring_size} ring-attention' if ring else ''}, "
               f"grad accumulation {plan.grad_accum_steps}, {type(strategy).__name__} on {strategy.device}")
     logger = MetricsLogger(out, cfg.logger, enabled=strategy.is_rank0, config=to_dict(cfg))
     try:
-        RMTrainer(cfg, strategy, wrapped, tokenizer, train_samples, eval_samples, plan, logger).fit()
+        RMTrainer(cfg, strategy, wrapped, tokenizer, train_samples, eval_samples, plan, logger, ring=ring).fit()
     finally:
         logger.close()
     return out

@@ -97,17 +97,25 @@ class RLBatchPlan:
 def plan_rl_batches(
     *, rollout_batch_size: int, n_samples_per_prompt: int, train_batch_size: int, micro_batch_size: int,
     rollout_micro_batch_size: int, world_size: int, num_prompts: int | None, num_episodes: int = 1,
-    max_epochs: int = 1, max_steps: int = -1, ring_size: int = 1,
+    max_epochs: int = 1, max_steps: int = -1, ring_size: int = 1, tp_size: int = 1,
 ) -> RLBatchPlan:
     """RL counterpart of :func:`plan_batches`: ``rollout.batch_size x n_samples_per_prompt`` samples per
     RL step are cut into optimizer steps of ``train.batch_size`` samples, each of ``micro_batch_size x
-    world_size x grad_accum`` samples (``world_size / ring_size`` data-parallel actor ranks with
-    ``--ds.ring_attn_size``). Fails showing the arithmetic."""
+    world_size x grad_accum`` samples (``world_size / (ring_size x tp_size)`` data-parallel actor ranks
+    with ``--ds.ring_attn_size`` / ``--ds.tensor_parallel_size``: the ranks of one ring or AutoTP group
+    share their samples). Fails showing the arithmetic."""
     if ring_size < 1 or world_size % ring_size:
         raise ConfigError(f"--ds.ring_attn_size {ring_size} must divide the {world_size} actor ranks")
-    ranks = f"{world_size // ring_size} data-parallel ranks ({world_size} ranks / ring {ring_size})" \
-        if ring_size > 1 else f"{world_size} ranks"
-    world_size //= ring_size
+    if tp_size < 1 or world_size % (ring_size * tp_size):
+        raise ConfigError(f"--ds.tensor_parallel_size {tp_size} must divide the {world_size // ring_size} actor "
+                          "ranks per ring" if ring_size > 1 else f"--ds.tensor_parallel_size {tp_size} must divide "
+                          f"the {world_size} actor ranks")
+    replica = ring_size * tp_size
+    what = " x ".join(([f"ring {ring_size}"] if ring_size > 1 else []) + ([f"tensor-parallel {tp_size}"] if tp_size > 1
+                                                                           else []))
+    ranks = f"{world_size // replica} data-parallel ranks ({world_size} ranks / {what})" \
+        if replica > 1 else f"{world_size} ranks"
+    world_size //= replica
     for name, value in (("rollout.batch_size", rollout_batch_size), ("rollout.n_samples_per_prompt", n_samples_per_prompt),
                         ("train.batch_size", train_batch_size), ("train.micro_batch_size", micro_batch_size),
                         ("rollout.micro_batch_size", rollout_micro_batch_size), ("train.max_epochs", max_epochs),

@@ -33,8 +33,6 @@ _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
     ("data", "max_images_per_prompt"): (0, "images in RL (SFT and DPO have them: docs/vlm.md)"),
     ("data", "image_key"): ("images", "images in RL (SFT and DPO have them: docs/vlm.md)"),
     ("algo", "dynamic_filtering_range"): (None, ""),  # checked below (has a real meaning)
-    ("ds", "tensor_parallel_size"): (1, "DeepSpeed AutoTP in the RL worker groups (sft, rm, dpo have it: "
-                                        "docs/parallelism.md)"),
 }
 
 #: (section, field) -> (default, why): OpenRLHF knobs that mean nothing here; a different value prints one notice
@@ -100,6 +98,7 @@ def validate_rl(cfg) -> None:
     _validate_vllm(cfg)
     _validate_routing_replay(cfg)
     _validate_ring_attention(cfg)  # before the batch arithmetic, which divides by the ring
+    _validate_tensor_parallel(cfg)  # ... and by the tensor-parallel size
     _validate_distributed(cfg)
     _validate_reward_client(cfg)
     t = cfg.train
@@ -392,6 +391,24 @@ def _validate_ring_attention(cfg) -> None:
                           "rank routes a slice of the sequence)")
 
 
+def _validate_tensor_parallel(cfg) -> None:
+    """``--ds.tensor_parallel_size N``: DeepSpeed AutoTP in the actor's Ray workers (docs/parallelism.md)."""
+    from rlhforge.config.validation import validate_tensor_parallel
+
+    tp = cfg.ds.tensor_parallel_size
+    if tp > 1 and not uses_ray(cfg):
+        raise ConfigError(f"--ds.tensor_parallel_size {tp} splits the actor over {tp} ranks, which are Ray workers: "
+                          f"set --actor.num_gpus_per_node (x --actor.num_nodes) to a multiple of {tp}")
+    validate_tensor_parallel(cfg.ds, cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)
+    if tp > 1 and cfg.uses_critic:
+        raise ConfigError(f"--ds.tensor_parallel_size {tp} runs AutoTP in the actor only; the critic would get it too "
+                          "in OpenRLHF, which rlhforge does not build: use a critic-free estimator (group_norm, rloo, "
+                          "reinforce_baseline, dr_grpo, reinforce) or --ds.tensor_parallel_size 1")
+    if tp > 1 and cfg.ds.lora.rank > 0:
+        raise ConfigError(f"--ds.tensor_parallel_size {tp} with LoRA (--ds.lora.rank {cfg.ds.lora.rank}): rlhforge "
+                          "has no LoRA adapters on AutoTP-split layers (nor their merged weight sync); use one of the two")
+
+
 def _validate_distributed(cfg) -> None:
     t = cfg.train
     for name in ("actor", "critic", "ref"):
@@ -424,7 +441,8 @@ def _validate_distributed(cfg) -> None:
                               "for the merged weight sync; train QLoRA with one worker (--train.workers local)")
         per_step = cfg.train.batch_size
         ring = cfg.ds.ring_attn_size if cfg.ds.ring_attn_size > 1 and world % cfg.ds.ring_attn_size == 0 else 1
-        groups = [("actor data-parallel" if ring > 1 else "actor", world // ring)]  # a ring shares its samples
+        ring *= cfg.ds.tensor_parallel_size if world % (ring * cfg.ds.tensor_parallel_size) == 0 else 1  # AutoTP too
+        groups = [("actor data-parallel" if ring > 1 else "actor", world // ring)]  # a ring / TP group shares samples
         if cfg.uses_critic:
             groups.append(("critic", cfg.critic.num_nodes * cfg.critic.num_gpus_per_node))
         mb = cfg.planned_micro_batch_size  # 1 with token budgets

@@ -54,7 +54,7 @@ _RING_FLAGS = ("ring_attn_size", "ring_attn_head_stride")
 
 
 def validate_ring_attention(ds, world: int, packing_flag: str = "--ds.packing_samples") -> None:
-    """``--ds.ring_attn_size`` / ``--ds.ring_attn_head_stride`` where ring attention is wired (SFT, RL actor)."""
+    """``--ds.ring_attn_size`` / ``--ds.ring_attn_head_stride`` where ring attention is wired (SFT, RM, DPO, RL actor)."""
     size, stride = ds.ring_attn_size, ds.ring_attn_head_stride
     if size < 1:
         raise ConfigError(f"--ds.ring_attn_size must be >= 1 (got {size})")
@@ -94,7 +94,7 @@ def validate_tensor_parallel(ds, world: int) -> None:
 
 
 def validate_common(cfg, ring_attention: bool = False) -> None:
-    """``ring_attention``: the command runs ring attention (SFT); elsewhere its flags are refused."""
+    """``ring_attention``: the command runs ring attention (sft, rm, dpo); elsewhere its flags are refused."""
     if cfg.model.model_name_or_path is None:
         raise ConfigError("--model.model_name_or_path is required (an HF hub id or a local folder)")
     if cfg.data.dataset is None:
@@ -106,9 +106,6 @@ def validate_common(cfg, ring_attention: bool = False) -> None:
         if (ring_attention and name in _RING_FLAGS) or name == "tensor_parallel_size":
             continue
         value = getattr(cfg.ds, name)
-        if value != default and name in _RING_FLAGS:
-            raise ConfigError(f"--ds.{name} {value} is not supported by rlhforge yet in reward-model and DPO training: "
-                              f"ring attention runs in sft and the rl actor (docs/long_context.md); leave it at {default}")
         if value != default:
             raise ConfigError(f"--ds.{name} {value} is not supported by rlhforge yet (leave it at {default})")
     if getattr(cfg, "use_ms", False):

@@ -73,12 +73,13 @@ def build_ray_groups(cfg, tokenizer, plan):
                               device=device, process_group=process_group, env=env, wait=False)
 
     actor = group("actor", ActorWorker, (cfg, tokenizer, plan.total_updates, plan.grad_accum_steps))
-    actor.ring_size = cfg.ds.ring_attn_size  # the actor's rings share shards (the ref and critic run without)
+    # the actor's rings / AutoTP groups share shards (the ref and critic run without either)
+    actor.replica_size = cfg.ds.ring_attn_size * cfg.ds.tensor_parallel_size
     ref = group("ref", RefWorker, (cfg, tokenizer)) if "ref" in sizes else None  # a process group: ZeRO-3 shards
     reward = group("reward", RewardWorker, (cfg, tokenizer)) if "reward" in sizes else None
     critic = None
     if "critic" in sizes:
-        critic_plan = plan if sizes["critic"] == sizes["actor"] and cfg.ds.ring_attn_size == 1 else None
+        critic_plan = plan if sizes["critic"] == sizes["actor"] and actor.replica_size == 1 else None
         accum = critic_plan.grad_accum_steps if critic_plan else cfg.train.batch_size // (
             cfg.planned_micro_batch_size * sizes["critic"])
         critic = group("critic", CriticWorker, (cfg, tokenizer, plan.total_updates, max(accum, 1)))

@@ -89,7 +89,9 @@ class RayWorkerGroup:
         import threading
 
         self.name, self.world_size = name, num_workers
-        self.ring_size = 1  # ring attention: consecutive ranks of a ring take the same shard (set by the launcher)
+        # ranks per model replica: consecutive ranks of a ring (--ds.ring_attn_size) or an AutoTP group
+        # (--ds.tensor_parallel_size) take the same shard; ring x tp, set by the launcher
+        self.replica_size = 1
         self._submit_lock = threading.Lock()
         remote_host = ray.remote(WorkerHost)
         base_env = {"LOCAL_RANK": "0", **(env or {})}
@@ -164,12 +166,12 @@ class RayWorkerGroup:
     def _map(self, method: str, items: Sequence, args, kwargs, pad) -> tuple[list, list[list[int]], list[int]]:
         import ray
 
-        ring = self.ring_size
-        shards = balanced_shards(lengths_of(items), self.world_size // ring)  # one shard per data-parallel replica
+        replica = self.replica_size
+        shards = balanced_shards(lengths_of(items), self.world_size // replica)  # one shard per data-parallel replica
         chunks, real = pad_shards(items, shards, pad)
         chunk_refs = [ray.put(chunk) for chunk in chunks]
         with self._submit_lock:
-            refs = [h.run_items.remote(method, chunk_refs[rank // ring], args, kwargs)
+            refs = [h.run_items.remote(method, chunk_refs[rank // replica], args, kwargs)
                     for rank, h in enumerate(self.hosts)]
         return self._get(refs, method), shards, real
 
@@ -179,7 +181,7 @@ class RayWorkerGroup:
             return []
         results, shards, real = self._map(method, items, args, kwargs, pad=None)
         out: list[Any] = [None] * len(items)
-        for res, idx, n in zip(results[:: self.ring_size], shards, real):  # a ring's ranks return the same values
+        for res, idx, n in zip(results[:: self.replica_size], shards, real):  # a replica's ranks return the same
             for i, r in zip(idx, list(res)[:n]):
                 out[i] = r
         return out

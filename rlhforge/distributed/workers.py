@@ -165,10 +165,13 @@ class ActorWorker(TrainableWorker):
         local_tokens = sum(sum(s.loss_mask) for s in samples)
         local_seqs = sum(1 for s in samples if any(s.loss_mask))
         counts = strategy.all_reduce(torch.tensor([float(local_tokens), float(local_seqs)]), op="sum")
-        # ring attention: the ranks of a ring hold the same samples, so the sum counts each ring_size times;
-        # dp stays the world size (each rank's loss is scaled as if alone, the ring's gradients add up)
-        global_tokens, global_seqs = float(counts[0]) / self.ring_size, float(counts[1]) / self.ring_size
-        dp = strategy.world_size
+        # ring attention / AutoTP: the ranks of a ring or tensor-parallel group hold the same samples, so the
+        # sum counts each `copies` times. Ring: dp stays the world size (each rank's loss is scaled as if
+        # alone, the ring's gradients add up); AutoTP: DeepSpeed averages gradients over world / tp ranks
+        tp = getattr(strategy, "tp_size", 1)
+        copies = self.ring_size * tp
+        global_tokens, global_seqs = float(counts[0]) / copies, float(counts[1]) / copies
+        dp = strategy.world_size // tp
         agg = dict(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp, norm_constant=spec.norm_constant)
         losses: dict[str, float] = {"policy_loss": 0.0}  # dp-scaled (aggregate_loss): mean over ranks
         weighted: dict[str, float] = {"entropy": 0.0}  # token-share weighted: sum over ranks
@@ -225,9 +228,10 @@ class ActorWorker(TrainableWorker):
         stats = strategy.step()
         if self.ema is not None and not stats.get("skipped"):
             self.ema.update()  # once per applied optimizer step
-        out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
-        for name in (*losses, *weighted):  # every rank of a ring holds the same samples: ring_size copies
-            out[name] /= self.ring_size
+        # every rank of a ring / AutoTP group holds the same samples: the world sum has `copies` of each
+        out = reduce_step_metrics(losses, weighted, strategy.all_reduce, dp)
+        for name in (*losses, *weighted):
+            out[name] /= copies
         out.update(grad_norm=stats["grad_norm"], lr=stats["lr"], skipped=stats.get("skipped", 0.0))  # 1: not finite
         out["micro_batches"] = float(len(groups))  # forward/backward passes of this step on each rank
         return out

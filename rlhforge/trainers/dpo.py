@@ -17,6 +17,12 @@ between uses), or, with LoRA, the policy itself with its adapter disabled (no se
 ``ref.precompute_enable`` they are computed once for every train and eval pair before training
 and the separate reference model is freed.
 
+Ring attention (``--ds.ring_attn_size R``, ``ring``): the ``R`` ranks of one ring share a data shard
+and every packed row (policy and reference), each runs its slice, and the token log-probs are
+gathered back (:func:`rlhforge.backend.context_parallel.ring_token_logprobs`) before the per-sequence
+sums, so every ring rank computes the same pair losses; pair counts summed over all ranks are divided
+by ``R`` and the ring's partial gradients, averaged over the world, give the one-rank step.
+
 Metrics: loss, accuracy (implicit reward of chosen > rejected), implicit rewards
 ``beta (log pi - log pi_ref)`` of chosen and rejected and their margin, summed log-probs of chosen
 and rejected (``train/``, ``eval/``).
@@ -68,11 +74,18 @@ def _rows(values: Tensor, seq_lens) -> Tensor:
     return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
 
 
-def _sequence_logps(model, batch, with_aux: bool = False) -> tuple[Tensor, ...]:
+def _sequence_logps(model, batch, with_aux: bool = False, ring=None) -> tuple[Tensor, ...]:
     """(summed response log-probs [S], token log-probs [S, T], response mask [S, T]) of every sequence;
-    with ``with_aux``, and the MoE load-balancing loss of the forward."""
-    out = token_logprobs(model, batch, return_aux_loss=with_aux)
-    logps, aux = (out[0], out[1:]) if with_aux else (out, ())
+    with ``with_aux``, and the MoE load-balancing loss of the forward. ``ring``: a
+    :class:`~rlhforge.backend.context_parallel.RingGroup` (packed batch, no aux loss), the log-probs
+    computed across the ring and gathered (the same on every ring rank)."""
+    if ring is not None:
+        from rlhforge.backend.context_parallel import ring_token_logprobs
+
+        logps, aux = ring_token_logprobs(model, batch, ring), ()
+    else:
+        out = token_logprobs(model, batch, return_aux_loss=with_aux)
+        logps, aux = (out[0], out[1:]) if with_aux else (out, ())
     packed = batch.get("attention_mask") is None
     sums = sequence_logprob_sums(logps, batch["loss_mask"], batch["seq_lens"] if packed else None)
     if packed:
@@ -82,10 +95,16 @@ def _sequence_logps(model, batch, with_aux: bool = False) -> tuple[Tensor, ...]:
 
 class Reference:
     """Reference log-probs: a separate frozen model, the policy with its LoRA adapter disabled
-    (``model=None``), or values precomputed once per pair (:meth:`precompute`)."""
+    (``model=None``), or values precomputed once per pair (:meth:`precompute`). With ``ring`` the
+    forward runs across the ring (a separate model must use ring attention too)."""
 
-    def __init__(self, strategy, policy, model: torch.nn.Module | None = None, *, offload: bool = False):
+    def __init__(self, strategy, policy, model: torch.nn.Module | None = None, *, offload: bool = False,
+                 ring=None):
         self.strategy, self.policy, self.model, self.offload = strategy, policy, model, offload
+        self.ring = ring
+        # a ring's ranks share one data shard; AutoTP: a tensor-parallel group shares one shard
+        self.shard = (ring.dp_rank, ring.dp_size) if ring is not None else data_shard(strategy)
+        self.copies = copies(strategy) * (ring.ring_size if ring is not None else 1)  # ranks holding each pair
         self.tables: dict[str, Tensor] = {}  # split -> [num_pairs, 2] (chosen, rejected)
         if model is not None:
             model.eval()
@@ -119,12 +138,12 @@ class Reference:
             module.eval()
             try:
                 with module.disable_adapter(), self.strategy.autocast():
-                    sums, _, _ = _sequence_logps(self.policy, batch)
+                    sums, _, _ = _sequence_logps(self.policy, batch, ring=self.ring)
             finally:
                 module.train(was_training)
             return sums.detach()
         with self.strategy.autocast():
-            sums, _, _ = _sequence_logps(self.model, batch)
+            sums, _, _ = _sequence_logps(self.model, batch, ring=self.ring)
         return sums.detach()
 
     def lookup(self, split: str, indices: list[int]) -> Tensor | None:
@@ -138,7 +157,7 @@ class Reference:
         """Reference log-probs of every pair of ``samples`` (sharded over ranks, then summed)."""
         strategy = self.strategy
         table = torch.zeros(len(samples), 2, dtype=torch.float64)
-        rank, ranks = data_shard(strategy)  # AutoTP: a tensor-parallel group shares one shard
+        rank, ranks = self.shard
         shard = list(range(rank, len(samples), ranks))
         batches = [shard[i : i + micro_batch_size] for i in range(0, len(shard), micro_batch_size)]
         with self.active():
@@ -148,7 +167,7 @@ class Reference:
                 if group is not None:
                     n = len(group)
                     table[torch.as_tensor(group)] = torch.stack([sums[:n], sums[n:]], dim=1)
-        self.tables[split] = (strategy.all_reduce(table, op="sum") / copies(strategy)).float()
+        self.tables[split] = (strategy.all_reduce(table, op="sum") / self.copies).float()
 
     def release_model(self) -> None:
         """Free a separate reference model (after precomputing)."""
@@ -168,10 +187,13 @@ class DPOState:
 
 class DPOTrainer:
     def __init__(self, cfg, strategy, model, reference: Reference, tokenizer, train_samples, eval_samples,
-                 plan: BatchPlan, logger: MetricsLogger):
+                 plan: BatchPlan, logger: MetricsLogger, ring=None):
         self.cfg, self.strategy, self.tokenizer = cfg, strategy, tokenizer
         self.model = model  # the wrapped module returned by strategy.prepare
         self.reference = reference
+        self.ring = ring  # a context_parallel.RingGroup with --ds.ring_attn_size > 1, else None
+        self.ring_size = ring.ring_size if ring is not None else 1
+        self.shard, self.copies = reference.shard, reference.copies  # data shard, ranks holding each pair
         self.train_samples, self.eval_samples = train_samples, eval_samples
         self.plan, self.logger = plan, logger
         self.state = DPOState()
@@ -182,6 +204,8 @@ class DPOTrainer:
         coef = cfg.model.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
         self.aux_loss_coef = coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
         self.aux = None  # the last training micro-batch's balancing loss (differentiable)
+        if self.aux_loss_coef and ring is not None:
+            raise ValueError("--model.aux_loss_coef cannot be combined with --ds.ring_attn_size > 1")
 
     # -- one micro-batch -------------------------------------------------------------------------
     def _collate(self, samples):
@@ -199,7 +223,7 @@ class DPOTrainer:
         if ref is None:
             ref = self.reference.logps(batch)
         with self.strategy.autocast():
-            sums, token_logps, mask, *aux = _sequence_logps(self.model, batch,
+            sums, token_logps, mask, *aux = _sequence_logps(self.model, batch, ring=self.ring,
                                                             with_aux=split == "train" and bool(self.aux_loss_coef))
         self.aux = aux[0] if aux else None
         n = len(samples)
@@ -257,7 +281,7 @@ class DPOTrainer:
         cfg, strategy, plan = self.cfg, self.strategy, self.plan
         while self.state.global_step < plan.total_steps:
             epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
-                                                             cfg.train.seed, strategy, shard=data_shard(strategy))
+                                                             cfg.train.seed, strategy, shard=self.shard)
             start = time.perf_counter()
             metrics = self.train_step(indices)
             self.state.global_step += 1
@@ -287,7 +311,7 @@ class DPOTrainer:
         strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
         global_pairs = strategy.all_reduce(torch.tensor(float(len(indices))), op="sum").item()
         groups = micro_batches(indices, lambda i: len(samples[i]), micro_batch_size=cfg.train.micro_batch_size,
-                               max_tokens=cfg.train.max_tokens_per_device)
+                               max_tokens=cfg.train.max_tokens_per_device * self.ring_size)  # a ring: R devices
         groups = pad_micro_batch_count(strategy, groups)
         totals = torch.zeros(len(_FIELDS), dtype=torch.float64)
         aux_total = torch.zeros(2)
@@ -296,7 +320,8 @@ class DPOTrainer:
                 is_dummy = group is None
                 ids = [indices[0]] if is_dummy else group
                 loss_sum, t = self._pair_losses("train", ids, [samples[i] for i in ids])
-                loss = pair_mean_share(loss_sum, global_pairs, strategy.world_size)
+                # a ring counts its pairs R times: per rank loss_sum * world / pairs (the ring's partial gradients sum)
+                loss = pair_mean_share(loss_sum, global_pairs / self.ring_size, strategy.world_size)
                 if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
                     loss = loss + self.aux_loss_coef * self.aux / len(groups)
                     if not is_dummy:
@@ -307,8 +332,9 @@ class DPOTrainer:
         stats = strategy.step()
         self.step_skipped = bool(stats.get("skipped", 0.0))
         # AutoTP: the sums count each pair once per tensor-parallel rank (the loss scale above wants that:
-        # pairs x world / (tp x pairs) = the data-parallel size DeepSpeed averages over); metrics do not
-        c = copies(strategy)
+        # pairs x world / (tp x pairs) = the data-parallel size DeepSpeed averages over); metrics do not,
+        # nor do they count the R ranks of a ring
+        c = self.copies
         totals = strategy.all_reduce(totals, op="sum") / c
         metrics = self._metrics(totals, global_pairs / c, "train", cfg.model.nll_loss_coef > 0)
         metrics.update({"train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"]})
@@ -323,7 +349,7 @@ class DPOTrainer:
             return {}
         strategy, samples = self.strategy, self.eval_samples
         strategy.eval()
-        rank, ranks = data_shard(strategy)
+        rank, ranks = self.shard
         shard = list(range(rank, len(samples), ranks))
         mb = self.cfg.train.micro_batch_size
         batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
@@ -337,8 +363,8 @@ class DPOTrainer:
                     totals += t
                     pairs += len(group)
         strategy.train()
-        totals = strategy.all_reduce(totals, op="sum") / copies(strategy)
-        pairs = strategy.all_reduce(pairs, op="sum").item() / copies(strategy)
+        totals = strategy.all_reduce(totals, op="sum") / self.copies
+        pairs = strategy.all_reduce(pairs, op="sum").item() / self.copies
         return self._metrics(totals, max(pairs, 1.0), "eval", self.cfg.model.nll_loss_coef > 0)
 
     # -- checkpoints -----------------------------------------------------------------------------

@@ -11,6 +11,12 @@ Pair loss: ``sigmoid`` -log sigmoid(r_c - r_r - m) or ``logexp`` log(1 + exp(r_r
 (:mod:`rlhforge.algorithms.preference_losses`), m = the record's margin with
 ``--model.margin_loss_enable``, else 0.
 
+Ring attention (``--ds.ring_attn_size R``, ``ring``): the ``R`` ranks of one ring share a data shard
+and every packed row, each runs its slice, and the value head's per-token outputs are gathered
+before the rewards are read at each sample's last token
+(:func:`rlhforge.backend.context_parallel.ring_sequence_rewards`); pair counts summed over all ranks
+are divided by ``R`` and the ring's partial gradients, averaged over the world, give the one-rank step.
+
 Evaluation (every ``eval.steps``, at each epoch end and always after the last step): loss,
 accuracy (r_c > r_r), chosen/rejected reward means, and the mean/std of all eval rewards (chosen
 and rejected), which are exported as ``reward_mean``/``reward_std`` in config.json. Without eval
@@ -71,9 +77,14 @@ class RMState:
 
 class RMTrainer:
     def __init__(self, cfg, strategy, model, tokenizer, train_samples, eval_samples, plan: BatchPlan,
-                 logger: MetricsLogger):
+                 logger: MetricsLogger, ring=None):
         self.cfg, self.strategy, self.tokenizer = cfg, strategy, tokenizer
         self.model = model  # the wrapped module returned by strategy.prepare
+        self.ring = ring  # a context_parallel.RingGroup with --ds.ring_attn_size > 1, else None
+        self.ring_size = ring.ring_size if ring is not None else 1
+        # a ring's ranks share one data shard; AutoTP: a tensor-parallel group shares one shard
+        self.shard = (ring.dp_rank, ring.dp_size) if ring is not None else data_shard(strategy)
+        self.copies = copies(strategy) * self.ring_size  # ranks that hold each pair
         self.train_samples, self.eval_samples = train_samples, eval_samples
         self.plan, self.logger = plan, logger
         self.loss_fn = get_rm_loss(cfg.model.loss_type)
@@ -85,6 +96,8 @@ class RMTrainer:
         coef = cfg.model.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
         self.aux_loss_coef = coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
         self.aux = None  # the last training micro-batch's balancing loss (differentiable)
+        if self.aux_loss_coef and ring is not None:
+            raise ValueError("--model.aux_loss_coef cannot be combined with --ds.ring_attn_size > 1")
 
     # -- one micro-batch -------------------------------------------------------------------------
     def _rewards(self, samples, with_aux: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,7 +107,12 @@ class RMTrainer:
         device = self.strategy.device
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with self.strategy.autocast():
-            rewards = sequence_rewards(self.model, batch, self.cfg.ds.value_head_prefix, return_aux_loss=with_aux)
+            if self.ring is not None:  # no aux loss with a ring (refused)
+                from rlhforge.backend.context_parallel import ring_sequence_rewards
+
+                rewards = ring_sequence_rewards(self.model, batch, self.ring, self.cfg.ds.value_head_prefix)
+            else:
+                rewards = sequence_rewards(self.model, batch, self.cfg.ds.value_head_prefix, return_aux_loss=with_aux)
         rewards, self.aux = rewards if with_aux else (rewards, None)
         if self.cfg.model.compute_fp32_loss_enable:
             rewards = rewards.float()
@@ -119,7 +137,7 @@ class RMTrainer:
         cfg, strategy, plan = self.cfg, self.strategy, self.plan
         while self.state.global_step < plan.total_steps:
             epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
-                                                             cfg.train.seed, strategy, shard=data_shard(strategy))
+                                                             cfg.train.seed, strategy, shard=self.shard)
             start = time.perf_counter()
             metrics = self.train_step(indices)
             self.state.global_step += 1
@@ -150,7 +168,7 @@ class RMTrainer:
         strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
         global_pairs = strategy.all_reduce(torch.tensor(float(len(indices))), op="sum").item()
         groups = micro_batches(indices, lambda i: len(samples[i]), micro_batch_size=cfg.train.micro_batch_size,
-                               max_tokens=cfg.train.max_tokens_per_device)
+                               max_tokens=cfg.train.max_tokens_per_device * self.ring_size)  # a ring: R devices
         groups = pad_micro_batch_count(strategy, groups)
         # loss, correct, chosen reward, rejected reward, tokens
         totals = torch.zeros(5, dtype=torch.float64)
@@ -160,7 +178,8 @@ class RMTrainer:
             chunk = [samples[indices[0]]] if is_dummy else [samples[i] for i in group]
             chosen, rejected, margin = self._rewards(chunk, with_aux=bool(self.aux_loss_coef))
             loss_sum = self._loss_sum(chosen, rejected, margin)
-            loss = pair_mean_share(loss_sum, global_pairs, strategy.world_size)
+            # a ring counts its pairs R times: per rank loss_sum * world / pairs (the ring's partial gradients sum)
+            loss = pair_mean_share(loss_sum, global_pairs / self.ring_size, strategy.world_size)
             if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
                 loss = loss + self.aux_loss_coef * self.aux / len(groups)
                 if not is_dummy:
@@ -172,8 +191,9 @@ class RMTrainer:
                                        torch.tensor(float(sum(len(s) for s in chunk)), dtype=torch.float64)])
         stats = strategy.step()
         self.step_skipped = bool(stats.get("skipped", 0.0))
-        # AutoTP: sums count each pair once per tensor-parallel rank (the loss scale wants it); metrics do not
-        c = copies(strategy)
+        # AutoTP: sums count each pair once per tensor-parallel rank (the loss scale wants it); metrics do not,
+        # nor do they count the R ranks of a ring
+        c = self.copies
         totals = strategy.all_reduce(totals, op="sum") / c
         loss, correct, chosen_sum, rejected_sum, tokens = totals.tolist()
         global_pairs = global_pairs / c
@@ -192,7 +212,7 @@ class RMTrainer:
         """Loss/accuracy/reward statistics of ``samples`` (sharded over ranks, reduced)."""
         strategy = self.strategy
         strategy.eval()
-        rank, ranks = data_shard(strategy)  # AutoTP: a tensor-parallel group shares one shard
+        rank, ranks = self.shard
         shard = list(range(rank, len(samples), ranks))
         mb = self.cfg.train.micro_batch_size
         batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
@@ -209,7 +229,7 @@ class RMTrainer:
                                    c.square().sum() + r.square().sum(), torch.tensor(float(len(group)), dtype=torch.float64)])
         strategy.train()
         loss, correct, chosen_sum, rejected_sum, sq_sum, pairs = (
-            strategy.all_reduce(totals, op="sum") / copies(strategy)).tolist()
+            strategy.all_reduce(totals, op="sum") / self.copies).tolist()
         pairs = max(pairs, 1.0)
         mean = (chosen_sum + rejected_sum) / (2 * pairs)
         std = max(math.sqrt(max(sq_sum / (2 * pairs) - mean * mean, 0.0)), 1e-8)

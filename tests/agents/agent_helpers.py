@@ -40,9 +40,9 @@ def capture_trajectories(monkeypatch) -> list:
     original = RLTrainer.rollout
 
     def rollout(self):
-        trajs, metrics, position = original(self)
-        seen.extend(trajs)
-        return trajs, metrics, position
+        out = original(self)  # (trajs, metrics, stream position, buffered positions)
+        seen.extend(out[0])
+        return out
 
     monkeypatch.setattr(RLTrainer, "rollout", rollout)
     return seen

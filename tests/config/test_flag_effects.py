@@ -43,7 +43,7 @@ RL_BASE = ["--actor.model_name_or_path", MISSING, "--data.prompt_dataset", "buil
 
 RL_REFUSED = [
     "--actor.freeze_visual_encoder", "--data.max_images_per_prompt", "--data.image_key",
-    "--ds.deepcompile", "--ds.use_liger_kernel", "--ds.tensor_parallel_size", "--use_ms",
+    "--ds.deepcompile", "--ds.use_liger_kernel", "--use_ms",
 ]
 RL_NOTICE = [
     # always in this project
@@ -94,6 +94,7 @@ PROOFS = {
     "--algo.kl.unbiased_gradient": "tests/algorithms/test_kl_unbiased.py",  # gradient by hand and in expectation
     "--algo.dynamic_filtering_enable": "tests/rl/test_rl_train.py",  # filter pass rate in (0, 1]
     "--ds.ring_attn_size": "tests/distributed/test_ray_ring.py",  # 2 ring ranks = the 1-process run
+    "--ds.tensor_parallel_size": "tests/distributed/test_ray_autotp.py",  # 2 AutoTP ranks = the 1-process run
     "--train.dynamic_batch_enable": "tests/rl/test_dynamic_batching.py",
     "--ds.use_universal_ckpt": "tests/backend/test_universal_ckpt.py",
     "--actor.aux_loss_coef": "tests/models/test_families.py",  # actor/aux_loss logged in GRPO on MoE
@@ -205,19 +206,18 @@ def test_works_samples_have_proving_tests():
 # --------------------------------------------------------------------------------------------- sft / rm / dpo
 
 TRAIN_BASE = ["--model.model_name_or_path", MISSING, "--data.dataset", "builtin:arithmetic"]
-COMMON_REFUSED = ["--ds.deepcompile", "--ds.use_liger_kernel", "--ds.ring_attn_size",
-                  "--ds.ring_attn_head_stride", "--ds.tensor_parallel_size", "--use_ms"]
+COMMON_REFUSED = ["--ds.deepcompile", "--ds.use_liger_kernel", "--ds.tensor_parallel_size", "--use_ms"]
 COMMON_NOTICE = ["--ds.zero_stage", "--ds.zpg", "--ds.adam_offload", "--ds.overlap_comm", "--ds.grad_accum_dtype",
                  "--ds.use_universal_ckpt",
                  "--data.dataloader_num_workers", "--optim.muon.lr", "--optim.muon.momentum", "--optim.muon.ns_steps",
                  "--optim.muon.nesterov"]
 PREFERENCE_REFUSED = ["--model.pretrain_mode_enable"]
+# ring attention runs in sft, rm and dpo (tests/trainers/test_{sft,rm,dpo}_ring.py); the head stride alone does nothing
+TRAIN_NOTICE = COMMON_NOTICE + ["--ds.ring_attn_head_stride"]
 COMMAND_TABLES = {
-    # ring attention runs in SFT (tests/trainers/test_sft_ring.py); the head stride alone does nothing
-    "sft": (_table(dataclass_flags(SFTConfig), [f for f in COMMON_REFUSED if f not in ("--ds.ring_attn_size",
-            "--ds.ring_attn_head_stride")], COMMON_NOTICE + ["--ds.ring_attn_head_stride"]), SFTConfig),
-    "rm": (_table(dataclass_flags(RMConfig), COMMON_REFUSED + PREFERENCE_REFUSED, COMMON_NOTICE), RMConfig),
-    "dpo": (_table(dataclass_flags(DPOConfig), COMMON_REFUSED + PREFERENCE_REFUSED, COMMON_NOTICE), DPOConfig),
+    "sft": (_table(dataclass_flags(SFTConfig), COMMON_REFUSED, TRAIN_NOTICE), SFTConfig),
+    "rm": (_table(dataclass_flags(RMConfig), COMMON_REFUSED + PREFERENCE_REFUSED, TRAIN_NOTICE), RMConfig),
+    "dpo": (_table(dataclass_flags(DPOConfig), COMMON_REFUSED + PREFERENCE_REFUSED, TRAIN_NOTICE), DPOConfig),
 }
 MAINS = {"sft": sft_main, "rm": rm_main, "dpo": dpo_main}
 

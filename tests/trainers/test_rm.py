@@ -113,7 +113,7 @@ def test_openrlhf_flags_parse_and_bad_values_fail_clearly(tiny_model_dir):
         parse_args(RMConfig, base + ["--model.loss_type", "hinge"])
     with pytest.raises(ConfigError, match="aux_loss_coef must be >= 0"):
         parse_args(RMConfig, base + ["--model.aux_loss_coef", "-0.1"])
-    with pytest.raises(ConfigError, match="ring_attn_size 2 is not supported"):
+    with pytest.raises(ConfigError, match="ring_attn_size 2 needs --ds.packing_samples"):  # tests/trainers/test_rm_ring.py
         parse_args(RMConfig, base + ["--ds.ring_attn_size", "2"])
     with pytest.raises(ConfigError, match="input_template.*prompt_key"):
         parse_args(RMConfig, base + ["--data.input_template", "Q: {}"])
