@@ -13,6 +13,36 @@ from rlhforge.backend.guards import all_ranks_finite, grads_finite, poison_nonfi
 from rlhforge.backend.strategy import all_reduce_tensor
 
 
+def drop_stale_deepspeed_groups() -> None:
+    """Forget DeepSpeed's cached process groups (``deepspeed.utils.groups``: its clone of the world group,
+    tensor/data-parallel groups, ``mpu``) when they no longer belong to this process's default group.
+
+    That happens when the default group was destroyed after an earlier DeepSpeed engine in the same
+    process (an in-process vLLM engine tears the default group down when it shuts down). A new
+    ``init_distributed`` then makes a new default group, but DeepSpeed would keep handing out the old
+    groups ("Group ... is not registered"). Call before ``deepspeed.init_distributed``.
+    """
+    import sys
+
+    import torch.distributed as dist
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    cached = getattr(groups, "_WORLD_GROUP", None) if groups is not None else None
+    if cached is None:
+        return
+    if dist.is_initialized():
+        try:
+            dist.get_global_rank(cached, 0)
+            return  # still registered: nothing stale
+        except (ValueError, RuntimeError):
+            pass
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release()
+    else:  # older DeepSpeed: the world clone is what goes stale
+        groups._WORLD_GROUP = None
+
+
 def deepspeed_config(ds_cfg, optim_cfg, dtype: torch.dtype, micro_batch_size: int, grad_accum_steps: int) -> dict:
     zero: dict = {
         "stage": ds_cfg.zero_stage,
@@ -67,6 +97,7 @@ class DeepSpeedStrategy:
         self.dp_rank, self.dp_size = tp_layout(self.rank, self.world_size, self.tp_size)
         if self.world_size == 1:  # one plain process: a one-rank group on a free local port (no MPI discovery)
             single_process_env()
+        drop_stale_deepspeed_groups()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         self.engine = None
 

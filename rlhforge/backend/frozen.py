@@ -99,6 +99,9 @@ class FrozenModel:
         import deepspeed
         import torch.distributed as dist
 
+        from rlhforge.backend.deepspeed_strategy import drop_stale_deepspeed_groups
+
+        drop_stale_deepspeed_groups()
         if not dist.is_initialized():
             if dist_info().world_size == 1:
                 single_process_env()

@@ -207,11 +207,11 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
 
     from rlhforge.cli.train_ppo_ray import run as run_rl
     from rlhforge.cli.train_sft import run as run_sft
-    from rlhforge.config.components import AdamConfig, CkptConfig, LoggerConfig, ModelConfig
+    from rlhforge.config.components import AdamConfig, CkptConfig, LoggerConfig
     from rlhforge.config.components import OptimConfig, TrainConfig
     from rlhforge.config.rl import (ActorConfig, AlgoConfig, AdvantageConfig, KLConfig, RLCkptConfig, RLConfig,
                                     RLDataConfig, RLEvalConfig, RLTrainConfig, RewardConfig, RolloutConfig)
-    from rlhforge.config.sft import SFTConfig, SFTDataConfig
+    from rlhforge.config.sft import SFTConfig, SFTDataConfig, SFTModelConfig
     from rlhforge.models.tiny import TinyModelSpec, build_tiny_model
 
     start = time.time()
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
 
     t = time.time()
     sft = SFTConfig(
-        model=ModelConfig(model_name_or_path=str(base)),
+        model=SFTModelConfig(model_name_or_path=str(base)),
         data=SFTDataConfig(dataset=_spec(args, "train", args.train_records), input_key="prompt",
                            output_key="completion", apply_chat_template=True, max_len=64),
         train=TrainConfig(batch_size=args.sft_batch_size, micro_batch_size=args.sft_batch_size, max_epochs=1,

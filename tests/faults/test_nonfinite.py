@@ -49,9 +49,9 @@ def _nan_at(monkeypatch, steps: set[int]):
     real_nll, real_step = SFTTrainer._token_nll, SFTTrainer.train_step
     seen: dict[int, tuple[dict, dict]] = {}
 
-    def token_nll(self, samples):
-        nll, mask = real_nll(self, samples)
-        return (nll * float("nan"), mask) if self.state.global_step + 1 in steps else (nll, mask)
+    def token_nll(self, samples, **kwargs):
+        nll, mask, *aux = real_nll(self, samples, **kwargs)  # (+ the MoE aux loss when asked)
+        return (nll * float("nan"), mask, *aux) if self.state.global_step + 1 in steps else (nll, mask, *aux)
 
     def train_step(self, indices):
         before = {k: v.clone() for k, v in self.strategy.module.state_dict().items()}
