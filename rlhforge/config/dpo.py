@@ -93,7 +93,7 @@ class DPOConfig:
         return self.ds.lora.rank > 0 and (ref is None or ref == self.model.model_name_or_path)
 
     def validate(self) -> None:
-        validate_common(self, ring_attention=True)  # ring attention: policy and reference (docs/long_context.md)
+        validate_common(self)
         validate_preference_common(self)
         m = self.model
         if not m.beta > 0:

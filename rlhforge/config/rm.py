@@ -88,7 +88,7 @@ class RMConfig:
     """Not supported: ModelScope downloads."""
 
     def validate(self) -> None:
-        validate_common(self, ring_attention=True)  # ring attention: docs/long_context.md
+        validate_common(self)
         validate_preference_common(self)
         if self.model.loss_type not in RM_LOSS_TYPES:
             raise ConfigError(

@@ -64,7 +64,7 @@ class SFTConfig:
     """Not supported: ModelScope downloads."""
 
     def validate(self) -> None:
-        validate_common(self, ring_attention=True)
+        validate_common(self)
         if self.data.max_images_per_prompt < 0:
             raise ConfigError(f"--data.max_images_per_prompt must be >= 0 (got {self.data.max_images_per_prompt}; "
                               "0: no bound)")

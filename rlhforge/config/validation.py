@@ -12,12 +12,6 @@ import sys
 
 from rlhforge.config.parsing import ConfigError
 
-_UNSUPPORTED_DS = {
-    "ring_attn_size": 1,
-    "ring_attn_head_stride": 1,
-    "tensor_parallel_size": 1,
-}
-
 #: ``--ds.experts_implementation`` names that need CUDA (DeepGEMM: CUDA + bf16; sonic-moe: CUDA kernels)
 _GPU_EXPERTS = ("deepgemm", "deepgemm_megamoe", "sonicmoe")
 
@@ -49,8 +43,6 @@ def validate_aux_loss_coef(coef: float, flag: str) -> None:
     if not coef >= 0:
         raise ConfigError(f"{flag} must be >= 0 (got {coef}; 0 turns the MoE load-balancing loss off)")
 
-
-_RING_FLAGS = ("ring_attn_size", "ring_attn_head_stride")
 
 
 def validate_ring_attention(ds, world: int, packing_flag: str = "--ds.packing_samples") -> None:
@@ -93,21 +85,17 @@ def validate_tensor_parallel(ds, world: int) -> None:
                           "use one of the two")
 
 
-def validate_common(cfg, ring_attention: bool = False) -> None:
-    """``ring_attention``: the command runs ring attention (sft, rm, dpo); elsewhere its flags are refused."""
+def validate_common(cfg) -> None:
+    """Start-up checks shared by sft, rm and dpo."""
     if cfg.model.model_name_or_path is None:
         raise ConfigError("--model.model_name_or_path is required (an HF hub id or a local folder)")
     if cfg.data.dataset is None:
         raise ConfigError("--data.dataset is required (files, folders, hub ids or builtin:NAME; comma-separated)")
-    if ring_attention:
-        validate_ring_attention(cfg.ds, world_size())
+    if cfg.model.aux_loss_coef and cfg.ds.ring_attn_size > 1:
+        raise ConfigError(f"--model.aux_loss_coef cannot be combined with --ds.ring_attn_size {cfg.ds.ring_attn_size} "
+                          "(each ring rank routes a slice of the sequence)")
+    validate_ring_attention(cfg.ds, world_size())  # sft, rm, dpo (docs/long_context.md)
     validate_tensor_parallel(cfg.ds, world_size())  # AutoTP: sft, rm, dpo (backend/autotp.py)
-    for name, default in _UNSUPPORTED_DS.items():
-        if (ring_attention and name in _RING_FLAGS) or name == "tensor_parallel_size":
-            continue
-        value = getattr(cfg.ds, name)
-        if value != default:
-            raise ConfigError(f"--ds.{name} {value} is not supported by rlhforge yet (leave it at {default})")
     if getattr(cfg, "use_ms", False):
         raise ConfigError("--use_ms (ModelScope) is not supported; download the model and pass a local folder")
     validate_aux_loss_coef(cfg.model.aux_loss_coef, "--model.aux_loss_coef")  # sft, rm and dpo add it
@@ -119,7 +107,7 @@ def validate_common(cfg, ring_attention: bool = False) -> None:
             f"--train.max_tokens_per_device {cfg.train.max_tokens_per_device} needs --ds.packing_samples "
             "(token-budget micro-batches are packed rows)"
         )
-    ring = cfg.ds.ring_attn_size if ring_attention and cfg.ds.ring_attn_size > 1 else 1  # a ring holds ring x budget
+    ring = max(cfg.ds.ring_attn_size, 1)  # a ring holds ring x budget
     if cfg.train.max_tokens_per_device and cfg.train.max_tokens_per_device * ring < cfg.data.max_len:
         raise ConfigError(
             f"--train.max_tokens_per_device {cfg.train.max_tokens_per_device}"

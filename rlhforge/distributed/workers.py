@@ -103,9 +103,6 @@ class ActorWorker(TrainableWorker):
         if cfg.ds.ring_attn_size > 1:
             from rlhforge.backend.context_parallel import new_ring_group, use_ring_attention
 
-            if cfg.train.routing_replay:
-                raise ValueError("--train.routing_replay cannot be combined with --ds.ring_attn_size > 1 (the "
-                                 "recorded routing is per full sequence, the ring sees slices)")
             self.ring = new_ring_group(cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride)
             use_ring_attention(model)
             self.ring_size = self.ring.ring_size
@@ -127,9 +124,6 @@ class ActorWorker(TrainableWorker):
 
         coef = cfg.actor.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
         self.aux_loss_coef = coef if aux_loss_enabled(coef, self.strategy.module, "--actor.aux_loss_coef") else 0.0
-        if self.aux_loss_coef and self.ring is not None:
-            raise ValueError("--actor.aux_loss_coef cannot be combined with --ds.ring_attn_size > 1 (each ring "
-                             "rank routes a slice of the sequence)")
 
     def _token_logprobs(self, batch: dict, temperature: float, return_logits: bool = False, **kwargs):
         """``token_logprobs`` of a micro-batch, across the ring when ring attention is on (every rank

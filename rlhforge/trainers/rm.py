@@ -96,8 +96,6 @@ class RMTrainer:
         coef = cfg.model.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
         self.aux_loss_coef = coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
         self.aux = None  # the last training micro-batch's balancing loss (differentiable)
-        if self.aux_loss_coef and ring is not None:
-            raise ValueError("--model.aux_loss_coef cannot be combined with --ds.ring_attn_size > 1")
 
     # -- one micro-batch -------------------------------------------------------------------------
     def _rewards(self, samples, with_aux: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

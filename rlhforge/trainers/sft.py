@@ -75,8 +75,6 @@ class SFTTrainer:
 
         coef = cfg.model.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
         self.aux_loss_coef = coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
-        if self.aux_loss_coef and ring is not None:
-            raise ValueError("--model.aux_loss_coef cannot be combined with --ds.ring_attn_size > 1")
 
     # -- one micro-batch -------------------------------------------------------------------------
     def _collate(self, samples):

@@ -37,7 +37,7 @@ def test_gpu_without_the_liger_package_names_it(monkeypatch):
     import importlib.util
 
     if importlib.util.find_spec("liger_kernel") is not None:
-        pytest.skip("needs CUDA")  # only a machine without the package shows the message
+        pytest.skip("liger-kernel is installed: the message is for machines without it")
     monkeypatch.setattr(validation, "_cuda_available", lambda: True)  # the GPU branch of the check itself
     with pytest.raises(ConfigError, match="pip install liger-kernel"):
         validation.check_gpu_kernels(DSConfig(use_liger_kernel=True), "cuda")

@@ -105,3 +105,14 @@ def test_muon_with_max_norm_prints_one_notice(capsys):
 def test_unsupported_values_fail_clearly():
     with pytest.raises(ConfigError, match="aux_loss_coef must be >= 0"):
         parse_args(SFTConfig, BASE + ["--model.aux_loss_coef", "-0.1"])
+
+
+
+@pytest.mark.parametrize("config", ["sft", "rm", "dpo"])
+def test_aux_loss_with_ring_attention_is_refused_at_start_up(config):
+    from rlhforge.config.dpo import DPOConfig
+    from rlhforge.config.rm import RMConfig
+
+    cls = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig}[config]
+    with pytest.raises(ConfigError, match="aux_loss_coef cannot be combined with --ds.ring_attn_size 2"):
+        parse_args(cls, BASE + ["--model.aux_loss_coef", "0.01", "--ds.ring_attn_size", "2", "--ds.packing_samples"])
