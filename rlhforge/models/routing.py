@@ -86,16 +86,20 @@ def _replayed(module: torch.nn.Module, output: tuple, chosen: Tensor) -> tuple:
     probs = torch.softmax(logits.float(), dim=-1)
     own_raw = probs.gather(-1, indices)
     new_raw = probs.gather(-1, new_idx)
-    if _normalises(own_raw, scores):
+    renorm = getattr(module, "_rlhforge_renormalises", None)
+    if renorm is None:  # a property of the router: decided once (allclose is a host sync)
+        renorm = module._rlhforge_renormalises = _normalises(own_raw, scores)
+    if renorm:
         new_raw = new_raw / new_raw.sum(-1, keepdim=True)
     new_scores = torch.where(keep, scores, new_raw.to(scores.dtype))
     return (logits, new_scores, new_idx, *output[3:])
 
 
-def _normalises(own_raw: Tensor, scores: Tensor) -> bool:
-    """Whether the router renormalises its top-k probabilities (Mixtral; Qwen3 with norm_topk_prob)."""
+def _normalises(own_raw: Tensor, scores: Tensor) -> bool | None:
+    """Whether the router renormalises its top-k probabilities (Mixtral; Qwen3 with norm_topk_prob); None
+    when no token shows it."""
     if own_raw.numel() == 0:
-        return False
+        return None
     plain = torch.allclose(own_raw.to(scores.dtype), scores, rtol=1e-3, atol=1e-6)
     return not plain
 
