@@ -28,6 +28,8 @@ class PromptRequest:
     raw_prompt: Any = None
     """The record's prompt field as given (text or chat messages), for agents that build their own
     conversation (OpenAI-client agents)."""
+    vision: Any = None
+    """The prompt's images (``data.images.VisionInput``) for a vision-language actor; None: text only."""
 
 
 class SingleTurnExecutor:
@@ -39,7 +41,11 @@ class SingleTurnExecutor:
 
     async def generate(self, requests: Sequence[PromptRequest], sampling: Sequence[SamplingParams], engine
                        ) -> list[Trajectory]:
-        outs = await engine.generate([r.prompt_ids for r in requests], list(sampling))
+        visions = [r.vision for r in requests]
+        if any(v is not None for v in visions):  # images: the engine gets each prompt's pixels
+            outs = await engine.generate([r.prompt_ids for r in requests], list(sampling), vision=visions)
+        else:
+            outs = await engine.generate([r.prompt_ids for r in requests], list(sampling))
         trajs = []
         for req, out in zip(requests, outs):
             n_prompt = len(req.prompt_ids)
@@ -48,7 +54,7 @@ class SingleTurnExecutor:
                 action_ranges=[(n_prompt, n_prompt + len(out.token_ids))] if out.token_ids else [],
                 rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason, label=req.label,
                 datasource=req.datasource, prompt_index=req.prompt_index, sample_index=req.sample_index,
-                routed_experts=out.extra.get("routed_experts"),
+                routed_experts=out.extra.get("routed_experts"), vision=req.vision,
             ))
         return trajs
 

@@ -45,6 +45,9 @@ class Trajectory:
     routed_experts: Any = None
     """MoE routing replay: the experts the engine chose for each token, an int tensor ``[len(token_ids),
     MoE layers, top_k]`` (-1: no record), or None (:mod:`rlhforge.models.routing`)."""
+    vision: Any = None
+    """A vision-language actor: every image of ``token_ids`` in the order of its image tokens (the prompt's,
+    then environment feedback's), as a ``data.images.VisionInput``; None: text only."""
 
     @property
     def truncated(self) -> bool:

@@ -33,6 +33,7 @@ import base64
 import binascii
 import io
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -41,10 +42,74 @@ import torch
 from rlhforge.data.errors import describe_value
 from rlhforge.data.records import RecordRef
 
-__all__ = ["IMAGE_PLACEHOLDER", "load_image", "record_images", "place_images", "pixel_inputs",
-           "expand_image_tokens", "collate_vlm"]
+__all__ = ["IMAGE_PLACEHOLDER", "VisionInput", "load_image", "record_images", "place_images", "pixel_inputs",
+           "expand_image_tokens", "collate_vlm", "vision_batch", "vision_input"]
 
 IMAGE_PLACEHOLDER = "<image>"
+
+
+@dataclass
+class VisionInput:
+    """The images of one token sequence (an RL prompt, a trajectory so far), in the order of its image
+    tokens: what the generation engine and the trainer's forward both receive.
+
+    ``pixel_values`` [P, D] and ``image_grid_thw`` [n, 3] are the image processor's output
+    (:func:`pixel_inputs`); the sequence holds ``image_grid_thw[k].prod() // merge_size**2`` image tokens for
+    image ``k``. ``images`` keeps the RGB PIL images (vLLM processes them itself); None when only the
+    pixels travel (they are what the HF engine and the trainer use).
+    """
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    images: list | None = None
+    merge_size: int = 2
+    """The image processor's spatial merge (patches per image token: ``merge_size**2``)."""
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+    def __add__(self, other: "VisionInput | None") -> "VisionInput":
+        """This sequence's images followed by ``other``'s (a later turn's)."""
+        if other is None:
+            return self
+        images = None if self.images is None or other.images is None else [*self.images, *other.images]
+        return VisionInput(torch.cat([self.pixel_values, other.pixel_values]),
+                           torch.cat([self.image_grid_thw, other.image_grid_thw]), images, self.merge_size)
+
+    @property
+    def num_tokens(self) -> int:
+        """Image tokens the sequence holds for these images."""
+        return int(self.image_grid_thw.prod(-1).sum()) // self.merge_size ** 2
+
+    def without_images(self) -> "VisionInput":
+        """The pixels only (for shipping to trainer workers: the PIL images are for engines)."""
+        return VisionInput(self.pixel_values, self.image_grid_thw, None, self.merge_size)
+
+
+def vision_batch(input_ids: torch.Tensor, visions: Sequence["VisionInput | None"], image_token_id: int
+                 ) -> dict[str, torch.Tensor]:
+    """The pixel inputs of a padded batch whose row ``b`` has the images ``visions[b]`` (None: none)::
+
+        pixel_values       [P, D] float  every row's patches, row by row (absent when no row has an image)
+        image_grid_thw     [I, 3] int64
+        mm_token_type_ids  [B, T] int32  1 on the image token
+
+    A row whose image-token count differs from its images' feature count is a ValueError (the model
+    would scatter the features to the wrong tokens)."""
+    present = [v for v in visions if v is not None]
+    if not present:
+        return {}
+    mm = (input_ids == image_token_id).int()
+    tokens = mm.sum(-1).tolist()
+    for b, v in enumerate(visions):
+        need = 0 if v is None else v.num_tokens
+        if tokens[b] != need:
+            raise ValueError(f"row {b} has {tokens[b]} image tokens but its images need {need}")
+    return {"pixel_values": torch.cat([v.pixel_values for v in present]),
+            "image_grid_thw": torch.cat([v.image_grid_thw for v in present]).long(), "mm_token_type_ids": mm}
+
+
 _BASE64 = re.compile(r"^[A-Za-z0-9+/=\s]+$")
 
 
@@ -165,6 +230,13 @@ def pixel_inputs(image_processor, images: Sequence) -> tuple[torch.Tensor, torch
     merge = int(getattr(image_processor, "merge_size", 1))
     counts = (grid.prod(-1) // (merge * merge)).tolist()
     return out["pixel_values"], grid, [int(c) for c in counts]
+
+
+def vision_input(image_processor, images: Sequence, keep_images: bool = True) -> tuple[VisionInput, list[int]]:
+    """``(VisionInput, tokens per image)`` of ``images`` (RGB PIL images) under ``image_processor``."""
+    pixel_values, grid, counts = pixel_inputs(image_processor, images)
+    merge = int(getattr(image_processor, "merge_size", 1))
+    return VisionInput(pixel_values, grid, list(images) if keep_images else None, merge), counts
 
 
 def expand_image_tokens(ids: Sequence[int], mask: Sequence[int], image_token_id: int,

@@ -97,6 +97,25 @@ class VisionProcessor:
     def merge_size(self) -> int:
         return int(getattr(self.image_processor, "merge_size", 1))
 
+    @property
+    def placeholder_token_ids(self) -> list[int]:
+        """The image / video placeholder tokens a response must never hold (they stand for features)."""
+        ids = [self.image_token_id]
+        video = self.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        if isinstance(video, int) and video != self.tokenizer.unk_token_id:
+            ids.append(video)
+        return ids
+
+    def __getattr__(self, name: str):
+        """Everything else is the tokenizer's (decode, apply_chat_template, ...): RL code takes the
+        processor wherever it takes a tokenizer."""
+        if name.startswith("__") or name in ("tokenizer", "image_processor", "source", "image_token"):
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
     def save_pretrained(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
         self.tokenizer.save_pretrained(out)
@@ -199,6 +218,27 @@ def load_vlm(path: str, model_cfg, ds_cfg, device: torch.device, *, freeze_visua
         peft_cfg.target_modules = language_model_lora_targets(model, lora.target_modules)
         model = get_peft_model(model, peft_cfg)
     return model
+
+
+def _rope_owner(model):
+    """The module with ``get_rope_index`` (Qwen-VL's inner ``model``), through DeepSpeed / DDP / PEFT wrappers."""
+    base = getattr(model, "module", model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    for owner in (getattr(base, "model", None), base):
+        if owner is not None and hasattr(owner, "get_rope_index"):
+            return owner
+    raise ValueError(f"{type(base).__name__} has no get_rope_index: its M-RoPE positions cannot be computed")
+
+
+def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: Mapping[str, Any]
+                    ) -> torch.Tensor:
+    """``[3, B, T]`` M-RoPE positions of a (left- or right-) padded batch with images (``inputs``: its
+    ``image_grid_thw`` and ``mm_token_type_ids``), computed by the model's own ``get_rope_index``: what
+    the model computes itself when a forward gets no ``position_ids``. Padding gets position 0."""
+    positions, _ = _rope_owner(model).get_rope_index(
+        input_ids, mm_token_type_ids=inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
+        attention_mask=attention_mask)
+    return positions
 
 
 def vlm_model_inputs(model, batch: Mapping[str, Any]) -> dict[str, Any]:

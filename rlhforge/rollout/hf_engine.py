@@ -10,6 +10,14 @@ state (a request without a seed draws one from the global torch RNG). The sample
 log-probs come from the same pass, and rows that finished leave the batch (and its KV cache).
 ``update_weights`` copies the trainer's state dict in (the weight sync).
 
+**Images.** A vision-language model's requests may carry images (``generate(..., vision=[VisionInput |
+None per prompt])``, :class:`rlhforge.data.images.VisionInput`): the prefill gets their
+``pixel_values`` / ``image_grid_thw`` and the M-RoPE positions the model's own ``get_rope_index``
+computes over the left-padded batch (the positions the trainer's forward computes over the same
+tokens); each decoding step then advances every row's positions by one. The image and video
+placeholder tokens are never sampled (they are masked like a top-k filter: the log-prob stays that of
+the unfiltered distribution), so a response never asks for image features it does not have.
+
 Each decoding step holds the engine's lock, and so does ``update_weights``: a weight sync from
 another thread (async training with ``--train.partial_rollout_enable``) lands between two decoding
 steps, and the in-flight responses continue with the new weights (their KV cache so far was
@@ -41,7 +49,8 @@ class HFEngine:
     """In-process ``GenerationEngine`` over an HF causal LM."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int],
-                 batch_size: int = 64, record_routing: bool = False):
+                 batch_size: int = 64, record_routing: bool = False, image_token_id: int | None = None,
+                 banned_token_ids: Sequence[int] = ()):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -55,27 +64,33 @@ class HFEngine:
         self.record_routing = record_routing
         """MoE: put each output's expert choices in ``extra["routed_experts"]`` ([prompt + response tokens,
         MoE layers, top_k] int16, -1 on the last token; :mod:`rlhforge.models.routing`)."""
+        self.image_token_id = image_token_id
+        """A vision-language model: its image token (requests may then carry images)."""
+        self.banned = torch.tensor(sorted(set(int(t) for t in banned_token_ids)), dtype=torch.long, device=self.device)
+        """Tokens never sampled (a VLM's image / video placeholders)."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64, record_routing: bool = False
                    ) -> "HFEngine":
         """An engine with its own copy of ``model`` (the trainer's unwrapped module)."""
         return cls(copy.deepcopy(model), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   batch_size=batch_size, record_routing=record_routing)
+                   batch_size=batch_size, record_routing=record_routing, **_vision_kwargs(tokenizer))
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer, device: str | torch.device = "cpu", batch_size: int = 64,
                         dtype: torch.dtype = torch.float32, record_routing: bool = False) -> "HFEngine":
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        vision = _vision_kwargs(tokenizer)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype).to(device)
         return cls(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   batch_size=batch_size, record_routing=record_routing)
+                   batch_size=batch_size, record_routing=record_routing, **vision)
 
     # -- the protocol -----------------------------------------------------------------------------
-    async def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams] | SamplingParams
-                       ) -> list[GenerationOutput]:
-        return self.generate_sync(prompts, params)
+    async def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams] | SamplingParams,
+                       vision: Sequence | None = None) -> list[GenerationOutput]:
+        return self.generate_sync(prompts, params, vision)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> None:
         state = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
@@ -93,18 +108,27 @@ class HFEngine:
         pass
 
     # -- decoding ---------------------------------------------------------------------------------
-    def generate_sync(self, prompts, params) -> list[GenerationOutput]:
+    def generate_sync(self, prompts, params, vision: Sequence | None = None) -> list[GenerationOutput]:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if vision is not None and any(v is not None for v in vision):
+            if len(vision) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(vision)} image entries")
+            if self.image_token_id is None:
+                raise ValueError("this engine's model is not a vision-language model: it cannot take images")
+        else:
+            vision = None
         out: list[GenerationOutput] = []
         for start in range(0, len(prompts), self.batch_size):
-            out.extend(self._generate_batch(prompts[start : start + self.batch_size], params[start : start + self.batch_size]))
+            end = start + self.batch_size
+            out.extend(self._generate_batch(prompts[start:end], params[start:end],
+                                            None if vision is None else vision[start:end]))
         return out
 
     @torch.no_grad()
-    def _generate_batch(self, prompts, params: Sequence[SamplingParams]) -> list[GenerationOutput]:
+    def _generate_batch(self, prompts, params: Sequence[SamplingParams], vision=None) -> list[GenerationOutput]:
         from transformers import DynamicCache
 
         from rlhforge.rollout.hf_generate import sample_batch, seed_keys
@@ -149,16 +173,21 @@ class HFEngine:
         ids, attn = ids.to(dev), attn.to(dev)
         cache = DynamicCache()
         position = (attn.cumsum(-1) - 1).clamp(min=0)
+        pixels = {}  # prefill only: the images' pixel inputs, positions from the model's M-RoPE
+        if vision is not None and any(vision[i] is not None for i in rows):
+            pixels, position = self._vision_prefill(ids, attn, [vision[i] for i in rows])
         step_ids = ids
         route = _RouteLog(self.model, len(rows), width, steps) if self.record_routing else None
+        banned = self.banned if len(self.banned) else None
         for t in range(steps):
             with self._lock, (route.recorder if route else contextlib.nullcontext()):
                 logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=position,
-                                    past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+                                    past_key_values=cache, use_cache=True, **pixels).logits[:, -1, :].float()
+            pixels = {}
             if route is not None:
                 route.add(t, alive)
             tok, logp = sample_batch(logits, temperature[alive], top_p[alive], top_k[alive], keys[alive], t,
-                                     all_greedy=all_greedy, any_filter=any_filter)
+                                     all_greedy=all_greedy, any_filter=any_filter, banned=banned)
             out_tokens[alive, t] = torch.where(active, tok, out_tokens[alive, t])
             out_logps[alive, t] = torch.where(active, logp, out_logps[alive, t])
             lengths[alive] = torch.where(active, t + 1, lengths[alive])
@@ -171,11 +200,12 @@ class HFEngine:
             if len(active) - n_active >= max(1, len(active) // 4):  # drop finished rows (and their KV cache)
                 kept = active.nonzero()[:, 0]
                 cache.batch_select_indices(kept)
-                alive, tok, attn, position = alive[kept], tok[kept], attn[kept], position[kept]
+                alive, tok, attn = alive[kept], tok[kept], attn[kept]
+                position = position.index_select(-2, kept)  # [B, 1] or M-RoPE's [3, B, 1]
                 active = active[kept]
             step_ids = tok[:, None]
             attn = torch.cat([attn, torch.ones((attn.shape[0], 1), dtype=attn.dtype, device=attn.device)], dim=1)
-            position = position[:, -1:] + 1
+            position = position[..., -1:] + 1
         tokens, logps = out_tokens.cpu().tolist(), out_logps.cpu().tolist()
         lengths_l, stopped_l = lengths.cpu().tolist(), stopped.cpu().tolist()
         for r, i in enumerate(rows):
@@ -184,6 +214,23 @@ class HFEngine:
             if route is not None:
                 outputs[i].extra["routed_experts"] = route.row(r, len(prompts[i]), k)
         return outputs
+
+
+    def _vision_prefill(self, ids: torch.Tensor, attn: torch.Tensor, visions) -> tuple[dict, torch.Tensor]:
+        """The prefill's pixel inputs and M-RoPE positions [3, B, W] of a left-padded batch."""
+        from rlhforge.data.images import vision_batch
+        from rlhforge.models.vlm import mrope_positions
+
+        inputs = vision_batch(ids, visions, self.image_token_id)
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        return inputs, mrope_positions(self.model, ids, attn, inputs)
+
+
+def _vision_kwargs(tokenizer) -> dict:
+    """A :class:`rlhforge.models.vlm.VisionProcessor`'s image token and never-sampled placeholders."""
+    if getattr(tokenizer, "image_processor", None) is None:
+        return {}
+    return {"image_token_id": tokenizer.image_token_id, "banned_token_ids": tokenizer.placeholder_token_ids}
 
 
 class _RouteLog:

@@ -90,7 +90,8 @@ def filter_logits_batch(logits: Tensor, top_p: Tensor, top_k: Tensor, *, any_fil
 
 
 def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, step: int, *,
-                 all_greedy: bool | None = None, any_filter: bool | None = None) -> tuple[Tensor, Tensor]:
+                 all_greedy: bool | None = None, any_filter: bool | None = None, banned: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
     """One token per row and its log-prob, all rows at once.
 
     Args:
@@ -101,6 +102,8 @@ def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
         step: the response position being sampled (0 for the first generated token).
         all_greedy, any_filter: known once per batch by the decode loop (no per-step host sync);
             None: found from the tensors.
+        banned: token ids never chosen (greedy or sampled); like a filter, they do not change the
+            log-probs (those of the unfiltered distribution).
 
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)`` with log-probs of ``log_softmax(logits / T)``.
@@ -109,6 +112,9 @@ def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / scale[:, None]
     logp_all = torch.log_softmax(scaled, dim=-1)
+    if banned is not None:
+        logits = logits.index_fill(-1, banned, float("-inf"))
+        scaled = scaled.index_fill(-1, banned, float("-inf"))
     tokens = torch.argmax(logits, dim=-1)
     if all_greedy is None:
         all_greedy = bool(greedy.all())

@@ -243,7 +243,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         for i, pos in zip(prompt_idx, positions):
             p = prompts[i]
             for j in range(n):
-                reqs.append(PromptRequest(p.ids, p.label, p.datasource, p.index, j, p.raw))
+                reqs.append(PromptRequest(p.ids, p.label, p.datasource, p.index, j, p.raw, p.vision))
                 params.append(SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=cfg.rollout.top_p,
                                              top_k=cfg.rollout.top_k, seed=request_seed(cfg.train.seed, pos, j, salt)))
         return reqs, params

@@ -22,6 +22,8 @@ class Prompt:
     """Position in the loaded prompt list (stable across resumes)."""
     raw: Any = None
     """The record's prompt field as given (for agents that render their own conversation)."""
+    vision: Any = None
+    """A vision-language actor: the prompt's images (``data.images.VisionInput``; None: text only)."""
 
 
 def _prompt_text(record, ref, tokenizer, data_cfg) -> tuple[Any, str]:
@@ -59,10 +61,18 @@ def _to_prompts(dataset, tokenizer, data_cfg, prompt_max_len: int, what: str) ->
     from rlhforge.data.templates import encode_prompt
 
     prompts, skipped = [], 0
+    vlm = getattr(tokenizer, "image_processor", None) is not None  # a models.vlm.VisionProcessor
     for pos, record in enumerate(dataset):
         ref = record_ref(record, pos)
-        raw, text = _prompt_text(record, ref, tokenizer, data_cfg)
-        ids = encode_prompt(tokenizer, text, chat=data_cfg.apply_chat_template)
+        vision = None
+        if vlm:  # images placed by the chat template, image tokens expanded (data/vlm_prompts.py)
+            from rlhforge.data.vlm_prompts import vlm_prompt
+
+            raw, ids, vision = vlm_prompt(record, tokenizer, ref, input_key=data_cfg.input_key,
+                                          image_key=data_cfg.image_key, max_images=data_cfg.max_images_per_prompt)
+        else:
+            raw, text = _prompt_text(record, ref, tokenizer, data_cfg)
+            ids = encode_prompt(tokenizer, text, chat=data_cfg.apply_chat_template)
         if len(ids) > prompt_max_len:
             skipped += 1
             continue
@@ -71,7 +81,7 @@ def _to_prompts(dataset, tokenizer, data_cfg, prompt_max_len: int, what: str) ->
             label = record[data_cfg.label_key] if data_cfg.label_key in record else get_field(
                 record, data_cfg.label_key, ref)  # get_field raises "is missing", naming the record's keys
         source = record.get(data_cfg.datasource_key)
-        prompts.append(Prompt(ids, label, None if source is None else str(source), len(prompts), raw))
+        prompts.append(Prompt(ids, label, None if source is None else str(source), len(prompts), raw, vision))
     if skipped:
         print(f"[rlhforge] {what}: skipped {skipped} prompts longer than {prompt_max_len} tokens (--data.prompt_max_len)")
     if not prompts:
