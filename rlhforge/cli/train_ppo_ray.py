@@ -118,8 +118,12 @@ def build_trainer(cfg: RLConfig):
     ray_mode = uses_ray(cfg)
     world = cfg.actor.num_nodes * cfg.actor.num_gpus_per_node if ray_mode else 1
     seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
-    tokenizer = load_tokenizer(cfg.actor.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
-                               use_fast=not cfg.data.disable_fast_tokenizer)
+    from rlhforge.cli.vlm import vlm_rl_setup
+
+    cfg, tokenizer = vlm_rl_setup(cfg)  # a vision-language actor: its processor is the tokenizer (docs/vlm.md)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.actor.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
+                                   use_fast=not cfg.data.disable_fast_tokenizer)
     prompts, eval_prompts = load_prompts(cfg, tokenizer)
     if cfg.eval.dataset and not eval_prompts:
         raise ConfigError(f"--eval.dataset {cfg.eval.dataset} has no prompts")

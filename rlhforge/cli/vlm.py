@@ -45,6 +45,51 @@ def vlm_setup(cfg):
                           use_fast=not cfg.data.disable_fast_tokenizer)
 
 
+def vlm_rl_setup(cfg):
+    """``rlhforge rl``: ``(cfg, processor)``: the actor's :class:`VisionProcessor` when it is a VLM (after the
+    checks below; packing turned off, with a notice), else ``(cfg, None)``."""
+    import dataclasses
+
+    from rlhforge.models.vlm import check_supported_vlm, is_vlm, load_processor
+
+    path = cfg.actor.model_name_or_path
+    if not is_vlm(path, cfg.actor.trust_remote_code):
+        if cfg.actor.freeze_visual_encoder:
+            raise ConfigError(f"--actor.freeze_visual_encoder: {path} is not a vision-language model "
+                              "(its config has no vision_config)")
+        if cfg.data.max_images_per_prompt:
+            print(f"[rlhforge] note: --data.max_images_per_prompt {cfg.data.max_images_per_prompt} has no effect: "
+                  f"{path} is a text model (its prompts' images are not read)", file=sys.stderr)
+        return cfg, None
+    try:
+        check_supported_vlm(path, cfg.actor.trust_remote_code)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    refusals = [
+        (not cfg.data.apply_chat_template, "--data.apply_chat_template is required: the chat template places the images"),
+        (cfg.uses_critic, f"--algo.advantage.estimator {cfg.algo.advantage.estimator} needs a critic, which is not "
+                          "built for vision-language models (use group_norm, rloo, reinforce_baseline, dr_grpo ...)"),
+        (cfg.ds.ring_attn_size > 1, f"--ds.ring_attn_size {cfg.ds.ring_attn_size}: the ring slices packed rows; "
+                                    "VLM batches are padded"),
+        (cfg.ds.tensor_parallel_size > 1, f"--ds.tensor_parallel_size {cfg.ds.tensor_parallel_size}: AutoTP is not "
+                                          "built for vision towers"),
+        (cfg.train.dynamic_batch_enable, "--train.dynamic_batch_enable needs packing, and VLM batches are padded"),
+        (cfg.train.routing_replay, "--train.routing_replay: the supported VLMs are dense"),
+        (cfg.vllm.num_engines > 0, f"--vllm.num_engines {cfg.vllm.num_engines}: generation with images runs on the HF "
+                                   "engine (vLLM's multi-modal input is not wired yet)"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{path} is a vision-language model: {why} (docs/vlm.md)")
+    if cfg.ds.packing_samples:
+        print("[rlhforge] note: --ds.packing_samples true has no effect with a vision-language model: its M-RoPE "
+              "positions are computed by the model, so batches are padded", file=sys.stderr)
+        cfg = dataclasses.replace(cfg, ds=dataclasses.replace(cfg.ds, packing_samples=False))
+    processor = load_processor(path, chat_template=cfg.data.tokenizer_chat_template,
+                               use_fast=not cfg.data.disable_fast_tokenizer)
+    return cfg, processor
+
+
 def load_vlm_sft_data(cfg, processor):
     """Training and eval :class:`VLMSFTSample` lists (eval from ``eval.dataset`` or a held-out fraction)."""
     from rlhforge.data.loading import load_train_and_eval

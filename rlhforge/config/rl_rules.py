@@ -28,10 +28,6 @@ from rlhforge.config.validation import (
 
 #: (section, field) -> default; a different value means a feature that is not built yet
 _NOT_BUILT: dict[tuple[str, str], tuple[object, str]] = {
-    # SFT and DPO have images (docs/vlm.md); the RL engines, experience and trainer passes do not carry pixels yet
-    ("actor", "freeze_visual_encoder"): (False, "images in RL (SFT and DPO have them: docs/vlm.md)"),
-    ("data", "max_images_per_prompt"): (0, "images in RL (SFT and DPO have them: docs/vlm.md)"),
-    ("data", "image_key"): ("images", "images in RL (SFT and DPO have them: docs/vlm.md)"),
     ("algo", "dynamic_filtering_range"): (None, ""),  # checked below (has a real meaning)
 }
 

@@ -22,13 +22,16 @@ A micro-batch (:func:`collate_experience`) is a dict of tensors, padded or packe
 ``seq_lens``       list[int]        packed layout only
 ``routed_experts`` [B, T, L, K] / [1, N, L, K]  int16, only with ``routing=True`` (MoE routing replay;
                                     -1 = no record, on padding too)
+``pixel_values``   [P, D]           a vision-language actor's samples with images (padded layout only):
+``image_grid_thw`` [I, 3]           every image of the micro-batch in sample order, and
+``mm_token_type_ids`` [B, T]        1 on the image tokens (:func:`rlhforge.data.images.vision_batch`)
 =================  ==============  ======================================================
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -51,6 +54,8 @@ class ExperienceSample:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     routing: torch.Tensor | None = None
     """MoE routing replay: the rollout's experts per token, ``[len, layers, top_k]`` (-1: none)."""
+    vision: Any = None
+    """The sample's images (``data.images.VisionInput`` without the PIL images), the pixels the engine saw."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -70,6 +75,8 @@ def samples_from_trajectories(trajs: Sequence[Trajectory], rewards: Sequence[flo
         s.tensors["rollout_logprobs"] = rollout
         if t.routed_experts is not None:
             s.routing = _fit_routing(torch.as_tensor(t.routed_experts), len(t.token_ids))
+        if t.vision is not None:
+            s.vision = t.vision.without_images()  # the pixels travel to the workers, not the PIL images
         out.append(s)
     return out
 
@@ -96,11 +103,18 @@ def unpad_rows(x: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
 
 
 def collate_experience(samples: Sequence[ExperienceSample], pad_id: int, packed: bool,
-                       fields: Sequence[str] = TOKEN_FIELDS, routing: bool = False) -> dict:
+                       fields: Sequence[str] = TOKEN_FIELDS, routing: bool = False,
+                       image_token_id: int | None = None) -> dict:
     """A micro-batch (layout in the module docstring). Missing per-token fields become zeros
     (``is_weights``: ones). ``routing``: add ``routed_experts`` when every sample has a record (the
-    actor's passes under ``--train.routing_replay``; never the reference's)."""
+    actor's passes under ``--train.routing_replay``; never the reference's). Samples with images add
+    their pixel inputs (``image_token_id``: the model's image token; such batches are padded)."""
     from rlhforge.data.packing import collate_packed, collate_padded
+
+    has_images = any(s.vision is not None for s in samples)
+    if has_images and (packed or image_token_id is None):
+        raise ValueError("samples with images need padded batches and the model's image token "
+                         f"(packed={packed}, image_token_id={image_token_id})")
 
     items = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in samples]
     batch = collate_packed(items) if packed else collate_padded(items, pad_id)
@@ -120,6 +134,10 @@ def collate_experience(samples: Sequence[ExperienceSample], pad_id: int, packed:
             for i, r in enumerate(recs):
                 out[i, : len(r)] = r
             batch["routed_experts"] = out
+    if has_images:
+        from rlhforge.data.images import vision_batch
+
+        batch.update(vision_batch(batch["input_ids"], [s.vision for s in samples], image_token_id))
     return batch
 
 

@@ -93,13 +93,15 @@ class ActorWorker(TrainableWorker):
 
     def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
         from rlhforge.backend.factory import build_strategy
-        from rlhforge.models.loading import load_causal_lm
+        from rlhforge.models.vlm import image_token_of, load_policy
 
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.image_token_id = image_token_of(tokenizer)  # a vision-language actor (docs/vlm.md)
         plan = plan_for(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
         self.strategy = build_strategy(cfg.ds, cfg.actor.optim_config(), cfg.train, plan)
         seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
-        model = load_causal_lm(cfg.actor.model_name_or_path, cfg.actor, cfg.ds, self.strategy.device)
+        model = load_policy(cfg.actor.model_name_or_path, cfg.actor, cfg.ds, self.strategy.device, tokenizer,
+                            freeze_visual_encoder=cfg.actor.freeze_visual_encoder)
         if cfg.ds.ring_attn_size > 1:
             from rlhforge.backend.context_parallel import new_ring_group, use_ring_attention
 
@@ -144,7 +146,8 @@ class ActorWorker(TrainableWorker):
                                       self.strategy.all_reduce):
             chunk = [samples[i] for i in idx]
             batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
-                                           routing=self.routing_replay), self.device)
+                                                 routing=self.routing_replay, image_token_id=self.image_token_id),
+                              self.device)
             with self.strategy.autocast():
                 lp = self._token_logprobs(batch, temperature)
             for i, row in zip(idx, per_sample(lp, batch, chunk)):
@@ -177,7 +180,8 @@ class ActorWorker(TrainableWorker):
             [len(s) for s in samples], self.cfg.train.micro_batch_size, self.train_tokens, strategy.all_reduce)]
         for k, chunk in enumerate(groups):
             batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed,
-                                           routing=self.routing_replay), self.device)
+                                                 routing=self.routing_replay, image_token_id=self.image_token_id),
+                              self.device)
             with strategy.autocast():
                 logp, logits, *aux = self._token_logprobs(batch, spec.temperature, return_logits=True,
                                                           return_aux_loss=bool(self.aux_loss_coef))
@@ -308,12 +312,13 @@ class RefWorker:
         from rlhforge.backend.frozen import FrozenModel
         from rlhforge.config.components import LoraConfig
         from rlhforge.distributed.reward_worker import actor_strategy_kind
-        from rlhforge.models.loading import load_causal_lm
+        from rlhforge.models.vlm import image_token_of, load_policy
 
         device = device if device is not None else resolve_device(cfg.train.device, dist_info().local_rank)
         ds = dataclasses.replace(cfg.ds, lora=LoraConfig(), load_in_4bit=False)
         model_cfg = dataclasses.replace(cfg.actor, gradient_checkpointing_enable=False)
-        model = load_causal_lm(cfg.actor.model_name_or_path, model_cfg, ds, device)
+        model = load_policy(cfg.actor.model_name_or_path, model_cfg, ds, device, tokenizer)
+        self.image_token_id = image_token_of(tokenizer)
         self.frozen = FrozenModel(model, ds, device, kind=actor_strategy_kind(cfg), offload=cfg.ref.offload)
         self.tokenizer, self.device, self.packed = tokenizer, device, cfg.ds.packing_samples
         self.pass_tokens = cfg.token_budgets()[1]
@@ -330,7 +335,8 @@ class RefWorker:
         with self.frozen.use() as model:
             for idx in groups:
                 chunk = [samples[i] for i in idx]
-                batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
+                batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
+                                                     image_token_id=self.image_token_id), self.device)
                 for i, row in zip(idx, per_sample(token_logprobs(model, batch, temperature), batch, chunk)):
                     out[i] = row
         return out

@@ -162,6 +162,22 @@ def load_processor(path: str, *, chat_template: str | None = None, use_fast: boo
     return VisionProcessor(tokenizer, image_processor, str(path), image_token)
 
 
+def image_token_of(tokenizer) -> int | None:
+    """The image token of a :class:`VisionProcessor` (a VLM run's tokenizer); None for a text tokenizer."""
+    return tokenizer.image_token_id if getattr(tokenizer, "image_processor", None) is not None else None
+
+
+def load_policy(path: str, model_cfg, ds_cfg, device: torch.device, tokenizer, *,
+                freeze_visual_encoder: bool = False):
+    """An RL policy (actor or reference): :func:`load_vlm` when ``tokenizer`` is a :class:`VisionProcessor`,
+    else :func:`rlhforge.models.loading.load_causal_lm`."""
+    if image_token_of(tokenizer) is not None:
+        return load_vlm(path, model_cfg, ds_cfg, device, freeze_visual_encoder=freeze_visual_encoder)
+    from rlhforge.models.loading import load_causal_lm
+
+    return load_causal_lm(path, model_cfg, ds_cfg, device)
+
+
 def vision_tower(model) -> torch.nn.Module:
     """The vision encoder module of a (possibly PEFT-wrapped) VLM, found by :data:`VISION_TOWER_NAMES`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
