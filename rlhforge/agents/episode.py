@@ -7,9 +7,18 @@ action span, trained on); ``ep.add_feedback(text)`` tokenises environment text o
 outside every action span (never trained on). Nothing already recorded is ever re-tokenised, so a
 trajectory is token-in-token-out whatever the executor.
 
+**Images.** ``ep.vision`` holds every image of the tokens so far (a ``data.images.VisionInput``: the
+prompt's, then each feedback's, in token order); every generation call sends it to the engine and
+:meth:`Episode.trajectory` hands it on. ``ep.add_feedback(text, images=[...])`` (a step's
+``environment_images``) places the images at the text's ``<image>`` placeholders, else before the
+text, each as its vision tokens with the image token expanded (:mod:`rlhforge.agents.episode_images`);
+they are feedback: outside the action spans, never trained on.
+
 **Token budget.** ``rollout.max_new_tokens`` bounds everything after the prompt (actions and
-feedback together; ``data.max_len`` bounds the whole sequence). Each turn may generate what is left;
-feedback that does not fit is cut. An episode that runs out of budget before the environment says
+feedback together, image tokens included; ``data.max_len`` bounds the whole sequence). Each turn may
+generate what is left; feedback that does not fit is cut at the budget, except that an image is never
+split: an image that does not fit whole is dropped with its vision tokens, and so is everything after
+it (counted as ``agent_images_dropped``). An episode that runs out of budget before the environment says
 ``done`` - or whose last action was cut by the budget - is *truncated*: its ``finish_reason`` is
 ``"length"``, so the stop-properly penalty (``--reward.stop_properly_penalty_coef``) applies to
 multi-turn runs too.
@@ -25,7 +34,7 @@ failure stop the run.
 **Threads.** Plain (synchronous) environment code - ``def step()``, ``def reset()``, a sync
 constructor, task reward or ``run_agent`` - runs in the executor's own :class:`EnvThreadPool` of
 daemon threads, never in the event loop's default executor, and HF/vLLM generation runs in a
-pool of its own (``_GENERATION_POOL``), so environments cannot starve generation. A sync call
+pool of its own (:mod:`rlhforge.agents.batching`), so environments cannot starve generation. A sync call
 that outlives ``--train.agent_step_timeout`` fails its sample exactly like a timed-out async call;
 its thread cannot be killed, so it is *abandoned*: left behind, counted
 (``rollout/agent_stuck_threads``) and replaced by a fresh one, so the calls of other samples keep
@@ -40,14 +49,15 @@ import asyncio
 import inspect
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+from rlhforge.agents.batching import BatchingEngine
 from rlhforge.agents.env_threads import EnvironmentStuckError, EnvThreadPool
+from rlhforge.agents.episode_images import FeedbackPiece, check_image_tokens, feedback_pieces
 from rlhforge.agents.single_turn import PromptRequest
 from rlhforge.agents.types import AgentError, Trajectory
-from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.engine import SamplingParams
 
 __all__ = ["AgentError", "EnvironmentStuckError", "AgentSettings", "Action", "Episode", "BatchingEngine",
            "EnvThreadPool", "EpisodeExecutor", "EpisodeContext", "drop_failed_groups", "sample_id", "turn_seed"]
@@ -96,75 +106,6 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
     return (seed + turn * 1_000_000_007) % _SEED_MOD
 
 
-# --------------------------------------------------------------------------------------------- engine
-
-
-class BatchingEngine:
-    """Collects single generation requests from concurrent episodes and sends them to the engine
-    as batches. Requests that arrive while a batch is decoding form the next batch. The HF engine
-    decodes in a worker thread so environment coroutines keep running meanwhile."""
-
-    def __init__(self, engine, window_s: float = 0.002):
-        self.engine, self.window_s = engine, window_s
-        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-        self.batches: list[int] = []
-        """Size of every batch sent (for metrics and benchmarks)."""
-
-    async def generate_one(self, ids: Sequence[int], sp: SamplingParams) -> GenerationOutput:
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append((list(ids), sp, fut))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.ensure_future(self._drain())
-        return await fut
-
-    async def _drain(self) -> None:
-        while self._pending:
-            for _ in range(3):  # let every episode that is ready enqueue its request
-                await asyncio.sleep(0)
-            if self.window_s:
-                await asyncio.sleep(self.window_s)
-            batch, self._pending = self._pending, []
-            self.batches.append(len(batch))
-            try:
-                outs = await self._generate([b[0] for b in batch], [b[1] for b in batch])
-            except Exception as err:  # noqa: BLE001 - every waiting episode sees the engine error
-                for *_, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(err)
-                continue
-            for (_, _, fut), out in zip(batch, outs):
-                if not fut.done():
-                    fut.set_result(out)
-
-    async def _generate(self, prompts, params) -> list[GenerationOutput]:
-        sync = getattr(self.engine, "generate_sync", None)
-        if sync is None:
-            return await self.engine.generate(prompts, params)
-        import torch
-
-        n_threads = torch.get_num_threads()
-
-        def run():
-            torch.set_num_threads(n_threads)  # the thread pool size is per thread
-            return sync(prompts, params)
-
-        return await asyncio.get_running_loop().run_in_executor(_generation_pool(), run)
-
-
-_GENERATION_POOL: ThreadPoolExecutor | None = None
-_GENERATION_POOL_LOCK = threading.Lock()
-
-
-def _generation_pool() -> ThreadPoolExecutor:
-    """Threads that only decode (never environment code, never the loop's default executor)."""
-    global _GENERATION_POOL
-    with _GENERATION_POOL_LOCK:
-        if _GENERATION_POOL is None:
-            _GENERATION_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlhforge-generate")
-        return _GENERATION_POOL
-
-
 # --------------------------------------------------------------------------------------------- episode
 
 
@@ -193,8 +134,12 @@ class Episode:
         self.logprobs: list[float] = []
         self.routing = None
         """MoE routing replay: the engine's expert choices per token so far (earliest record wins)."""
+        self.vision = request.vision
+        """Every image of :attr:`token_ids` so far (prompt's, then feedback's), or None."""
         self.turns = 0
         self.env_tokens = 0
+        self.env_images = 0
+        self.images_dropped = 0
         self.cut = False
         """The budget ran out (feedback cut, or no room for another turn)."""
         self.last_finish = "stop"
@@ -205,6 +150,7 @@ class Episode:
         """Replace the prompt (only before the first turn: e.g. ``reset`` rewrote the observation)."""
         if self.turns:
             raise AgentError("the prompt can only be replaced before the first turn")
+        check_image_tokens(prompt_ids, self.vision, self.ctx.tokenizer, "the new prompt")
         self.token_ids, self.prompt_len = list(prompt_ids), len(prompt_ids)
 
     @property
@@ -220,15 +166,16 @@ class Episode:
         return self.last_finish == "length" and self.remaining == 0 or self.cut or (not self.done and self.remaining == 0)
 
     async def generate(self, sampling: SamplingParams | None = None) -> Action | None:
-        """Generate the next action (at most what the budget leaves); None when nothing is left."""
+        """Generate the next action (at most what the budget leaves); None when nothing is left (or
+        the last feedback was cut)."""
         left = self.remaining
-        if left <= 0:
+        if left <= 0 or self.cut:
             self.cut = True
             return None
         sp = sampling or self.sampling
         sp = replace(sp, max_new_tokens=max(1, min(sp.max_new_tokens, left)),
                      seed=turn_seed(self.sampling.seed, self.turns))
-        out = await self.ctx.engine.generate_one(self.token_ids, sp)
+        out = await self.ctx.engine.generate_one(self.token_ids, sp, vision=self.vision)
         ids = list(out.token_ids)
         if len(ids) != len(out.logprobs):
             raise AgentError(f"engine returned {len(ids)} tokens but {len(out.logprobs)} log-probs")
@@ -242,16 +189,35 @@ class Episode:
         self.last_finish = out.finish_reason
         return Action(self.ctx.decode(ids, skip_special_tokens=True), ids, list(out.logprobs), out.finish_reason)
 
-    def add_feedback(self, feedback: str | Sequence[int]) -> int:
-        """Append environment text (tokenised once, ``add_special_tokens=False``) or token ids,
-        outside the action spans; cut to the budget. Returns the number of tokens appended."""
-        ids = self.ctx.encode(feedback) if isinstance(feedback, str) else [int(i) for i in feedback]
-        left = self.remaining
-        if len(ids) > left:
-            ids, self.cut = ids[:left], True
-        self.token_ids.extend(ids)
-        self.env_tokens += len(ids)
-        return len(ids)
+    def add_feedback(self, feedback: str | Sequence[int], images: Sequence | None = None,
+                     what: str = "the environment") -> int:
+        """Append environment text (tokenised once, ``add_special_tokens=False``) or token ids, and
+        ``images`` (module docstring), outside the action spans; cut to the budget (an image is never
+        split). ``what`` names the caller in errors (e.g. ``step 2``). Returns the tokens appended."""
+        if images:
+            pieces = feedback_pieces(self.ctx, feedback, images, what)
+        else:
+            pieces = [FeedbackPiece(self.ctx.encode(feedback) if isinstance(feedback, str)
+                                    else [int(i) for i in feedback])]
+        left, kept = self.remaining, []
+        for piece in pieces:
+            if len(piece.ids) > left:  # the budget ends here: cut text, drop an image whole
+                self.cut = True
+                if piece.vision is None and left:
+                    kept.append(FeedbackPiece(piece.ids[:left]))
+                break
+            kept.append(piece)
+            left -= len(piece.ids)
+        n = 0
+        for piece in kept:
+            self.token_ids.extend(piece.ids)
+            n += len(piece.ids)
+            if piece.vision is not None:
+                self.vision = piece.vision if self.vision is None else self.vision + piece.vision
+                self.env_images += 1
+        self.images_dropped += sum(p.vision is not None for p in pieces) - sum(p.vision is not None for p in kept)
+        self.env_tokens += n
+        return n
 
     def trajectory(self) -> Trajectory:
         r = self.request
@@ -259,9 +225,14 @@ class Episode:
             token_ids=list(self.token_ids), prompt_len=self.prompt_len, action_ranges=list(self.action_ranges),
             rollout_logprobs=list(self.logprobs), finish_reason="length" if self.truncated else "stop",
             label=r.label, datasource=r.datasource, prompt_index=r.prompt_index, sample_index=r.sample_index,
-            extra={"agent_turns": float(self.turns), "agent_env_tokens": float(self.env_tokens)},
-            routed_experts=self.routing,
+            extra=self._extra(), routed_experts=self.routing, vision=self.vision,
         )
+
+    def _extra(self) -> dict[str, float]:
+        extra = {"agent_turns": float(self.turns), "agent_env_tokens": float(self.env_tokens)}
+        if getattr(self.ctx.tokenizer, "image_processor", None) is not None:  # a VLM actor: every sample logs them
+            extra.update(agent_env_images=float(self.env_images), agent_images_dropped=float(self.images_dropped))
+        return extra
 
 
 def merge_routing(old, new):

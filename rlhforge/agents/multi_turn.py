@@ -29,6 +29,9 @@ vLLM's field names (:class:`~rlhforge.agents.openrlhf_compat.VLLMSamplingParams`
 =========================  ========================================================================
 ``rewards``                this step's reward; the episode reward is the sum over steps
 ``environment_feedback``   text appended after the action (tokenised once, never trained on)
+``environment_images``     (optional) images shown with the feedback (a vision-language actor):
+                           PIL images, paths, base64 strings; at the text's ``<image>``
+                           placeholders, else before it (:mod:`rlhforge.agents.episode_images`)
 ``done``                   end the episode
 ``scores`` (optional)      0-1 score for filtering / pass@k (default: the episode reward)
 ``sampling_params``        (optional) parameters of the next turn: a :class:`SamplingParams`, or a
@@ -57,6 +60,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor
+from rlhforge.agents.episode_images import image_list
 from rlhforge.agents.single_turn import PromptRequest
 from rlhforge.agents.types import Trajectory
 from rlhforge.agents.values import _float_logs, merge_sampling, to_float  # noqa: F401 - re-exported
@@ -199,8 +203,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             if bool(res["done"]):
                 ep.done = True
                 break
-            if feedback:
-                ep.add_feedback(feedback)
+            images = image_list(res.get("environment_images"))
+            if feedback or images:
+                ep.add_feedback(feedback, images, what=f"step {ep.turns}")
             if ep.remaining <= 0:
                 break
         traj = ep.trajectory()
