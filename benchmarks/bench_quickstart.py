@@ -5,6 +5,7 @@ collected into ``benchmarks/results/quickstart.json`` (the numbers README.md and
     python benchmarks/bench_quickstart.py --seeds 0 -- --rl_steps 300     # extra flags go to the quickstart
     python benchmarks/bench_quickstart.py --results /tmp/qs.json -- --train_records 200 --eval_size 12 \\
         --sft_steps 3 --rl_steps 2                                         # a shrunk smoke run
+    python benchmarks/bench_quickstart.py --vlm                 # the VLM quick start (--task shape_colour), seeds 0 1 2
 
 Each seed runs ``python -m rlhforge quickstart --out RUNS/qsN --seed N [extra flags]`` in a fresh
 process (``wall_seconds_process`` is that process's wall time, Python start-up included) and its
@@ -33,15 +34,17 @@ sys.path.insert(0, str(ROOT))
 STAGES = (("untrained", "before"), ("sft_only", "after_sft"), ("sft_grpo", "after_rl"))
 
 
-def quickstart_defaults() -> dict:
+def quickstart_defaults(vlm: bool = False) -> dict:
     from rlhforge.cli.quickstart import QuickstartArgs
+    from rlhforge.cli.quickstart_vlm import VLMQuickstartArgs
 
-    return {f.name: f.default for f in dataclasses.fields(QuickstartArgs) if f.name not in ("out", "seed")}
+    fields = dataclasses.fields(VLMQuickstartArgs if vlm else QuickstartArgs)
+    return {f.name: f.default for f in fields if f.name not in ("out", "seed")}
 
 
-def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> dict:
+def run_seed(seed: int, runs_dir: Path, extra: list[str], prefix: str = "qs") -> dict:
     """One quickstart in its own process; its summary.json plus the process wall time."""
-    out = runs_dir / f"qs{seed}"
+    out = runs_dir / f"{prefix}{seed}"
     cmd = [sys.executable, "-m", "rlhforge", "quickstart", "--out", str(out.resolve()), "--seed", str(seed), *extra]
     print(f"[bench_quickstart] seed {seed}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
@@ -119,8 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "quickstart.json"),
                    help="results JSON to write")
     p.add_argument("--note", action="append", default=[], help="a note to store with the results (repeatable)")
+    p.add_argument("--vlm", action="store_true", help="the VLM quick start (--task shape_colour; results "
+                   "benchmarks/results/quickstart_vlm.json unless --results is given)")
     args, unknown = p.parse_known_args(argv)
     extra = unknown + extra
+    prefix = "qs"
+    if args.vlm:
+        extra, prefix = ["--task", "shape_colour", *extra], "qsvlm"
+        if args.results == p.get_default("results"):
+            args.results = str(ROOT / "benchmarks" / "results" / "quickstart_vlm.json")
     for flag in ("--seed", "--out"):
         if any(a == flag or a.startswith(flag + "=") for a in extra):
             p.error(f"{flag} is set per seed by this script; use --seeds / --runs_dir")
@@ -128,24 +138,30 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir = Path(args.runs_dir)
     load_start = load_avg()
     t0 = time.perf_counter()
-    results = {seed: run_seed(seed, runs_dir, extra) for seed in args.seeds}
+    results = {seed: run_seed(seed, runs_dir, extra, prefix) for seed in args.seeds}
     elapsed = time.perf_counter() - t0
     runs = [run_record(seed, res) for seed, res in results.items()]
     first = results[args.seeds[0]]["summary"]
     used = {k: v for k, v in first["args"].items() if k not in ("out", "seed")}
     seeds = ", ".join(map(str, args.seeds))
     flags = (" " + " ".join(extra)) if extra else ""
+    what = ("rlhforge quickstart --task shape_colour: tiny Qwen2-VL, SFT warm start on the questions without their "
+            "images (answer format only), then GRPO with the images (RL trainer, HF engine), held-out accuracy "
+            "SFT-only vs SFT+GRPO on the same test images" if args.vlm else
+            "rlhforge quickstart: tiny Llama, brief SFT warm start, then GRPO (RL trainer), held-out accuracy "
+            "SFT-only vs SFT+GRPO on the same eval set")
     report = {
-        "what": "rlhforge quickstart: tiny Llama, brief SFT warm start, then GRPO (RL trainer), held-out accuracy "
-                "SFT-only vs SFT+GRPO on the same eval set" + (" (non-default flags)" if extra else " with default flags"),
-        "command": f"rlhforge quickstart --out {runs_dir}/qsN --seed N{flags}  (N = {seeds}, one after another)",
-        "bench_command": " ".join(["python benchmarks/bench_quickstart.py --seeds", *map(str, args.seeds),
-                                   "--runs_dir", str(runs_dir), *(["--", *extra] if extra else [])]),
+        "what": what + (" (non-default flags)" if len(extra) > 2 * args.vlm else " with default flags"),
+        "command": f"rlhforge quickstart --out {runs_dir}/{prefix}N --seed N{flags}  (N = {seeds}, one after another)",
+        "bench_command": " ".join(["python benchmarks/bench_quickstart.py", *(["--vlm"] if args.vlm else []), "--seeds",
+                                   *map(str, args.seeds),
+                                   "--runs_dir", str(runs_dir),
+                                   *(["--", *extra[2 * args.vlm:]] if extra[2 * args.vlm:] else [])]),
         "task": first["task"],
         "task_params": first["task_params"],
         "n_eval": first["n_eval"],
         "eval_samples_per_problem": first["eval_samples"],
-        "defaults": quickstart_defaults(),
+        "defaults": quickstart_defaults(args.vlm),
         "flags": extra,
         "args": used,
         "machine": {**machine_info(used.get("threads", 1)), "load_avg_1min": {"start": load_start, "end": load_avg()}},

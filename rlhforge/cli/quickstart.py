@@ -29,7 +29,8 @@ class QuickstartArgs:
     out: str = "runs/quickstart"
     """Run directory (models, metrics, report)."""
     task: str = "larger"
-    """Built-in task (see docs/data.md)."""
+    """Built-in task (see docs/data.md); an image task (``shape_colour``) runs the VLM quick start
+    (``rlhforge.cli.quickstart_vlm``, its own flags: ``rlhforge quickstart --task shape_colour --help``)."""
     task_params: str = "max=49"
     """Task parameters (``&``-separated, see docs/data.md), e.g. ``max=49`` for numbers 0..49."""
     seed: int = 0
@@ -195,6 +196,17 @@ def write_report(run_dir: Path, args: QuickstartArgs, acc: dict, seconds: dict, 
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
+def _image_task(argv: list[str]) -> bool:
+    """Whether ``--task`` names a built-in image task (``rlhforge quickstart --task shape_colour``)."""
+    from rlhforge.cli.quickstart_vlm import VLM_TASKS
+
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--task=") else argv[i + 1] if a == "--task" and i + 1 < len(argv) else None
+        if value is not None:
+            return value in VLM_TASKS
+    return False
+
+
 def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> int:
     import tyro
     import torch
@@ -202,6 +214,10 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
     from rlhforge.cli.env import setup_cli_environment
 
     setup_cli_environment()
+    if _image_task(sys.argv[1:] if argv is None else argv):  # a VLM task: its own quick start (docs/vlm.md)
+        from rlhforge.cli.quickstart_vlm import main as vlm_main
+
+        return vlm_main(argv, prog=prog)
     args = tyro.cli(QuickstartArgs, args=argv, prog=prog, use_underscores=True)
     torch.set_num_threads(max(1, args.threads))
 

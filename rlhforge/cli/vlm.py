@@ -75,9 +75,12 @@ def vlm_rl_setup(cfg):
                                           "built for vision towers"),
         (cfg.train.dynamic_batch_enable, "--train.dynamic_batch_enable needs packing, and VLM batches are padded"),
         (cfg.train.routing_replay, "--train.routing_replay: the supported VLMs are dense"),
-        (cfg.vllm.num_engines > 0, f"--vllm.num_engines {cfg.vllm.num_engines}: generation with images runs on the HF "
-                                   "engine (vLLM's multi-modal input is not wired yet)"),
     ]
+    if cfg.vllm.num_engines:  # vLLM's Qwen2-VL needs torchvision (rollout/vllm_vision.py); CPU builds have none
+        from rlhforge.rollout.vllm_vision import vlm_unsupported_reason
+
+        reason = vlm_unsupported_reason()
+        refusals.append((reason is not None, f"--vllm.num_engines {cfg.vllm.num_engines}: {reason}"))
     for refused, why in refusals:
         if refused:
             raise ConfigError(f"{path} is a vision-language model: {why} (docs/vlm.md)")

@@ -52,6 +52,7 @@ __all__ = [
     "BUILTIN_TASKS",
     "BuiltinSpec",
     "check_answer",
+    "verifiable_tasks",
     "generate_builtin",
     "parse_builtin_spec",
 ]
@@ -170,19 +171,28 @@ class ExtraGenerator:
 
     generate: Callable[..., list[dict]]
     defaults: dict
+    check: Callable[[str, str], float] | None = None
+    """``(completion, answer) -> reward`` when the records have verifiable answers (``builtin:NAME`` reward)."""
 
 
 _EXTRA_GENERATORS: dict[str, ExtraGenerator] = {}
 #: modules imported on first lookup; each calls :func:`register_builtin` for its generators
-_PLUGIN_MODULES = ("rlhforge.data.builtin_preference",)
+_PLUGIN_MODULES = ("rlhforge.data.builtin_preference", "rlhforge.data.builtin_vlm")
 _plugins_loaded = False
 
 
-def register_builtin(name: str, generate: Callable[..., list[dict]], defaults: dict | None = None) -> None:
-    """Make ``builtin:NAME`` produce ``generate(split=..., n=..., seed=..., **params)``."""
+def register_builtin(name: str, generate: Callable[..., list[dict]], defaults: dict | None = None,
+                     check: Callable[[str, str], float] | None = None) -> None:
+    """Make ``builtin:NAME`` produce ``generate(split=..., n=..., seed=..., **params)`` (and, with
+    ``check``, the reward ``builtin:NAME``)."""
     if name in BUILTIN_TASKS:
         raise ValueError(f"built-in dataset {name!r} already exists")
-    _EXTRA_GENERATORS[name] = ExtraGenerator(generate, dict(defaults or {}))
+    _EXTRA_GENERATORS[name] = ExtraGenerator(generate, dict(defaults or {}), check)
+
+
+def verifiable_tasks() -> list[str]:
+    """Names with an answer check (``check_answer`` / the ``builtin:NAME`` reward)."""
+    return sorted([*BUILTIN_TASKS, *(k for k, g in _extra_generators().items() if g.check is not None)])
 
 
 def _extra_generators() -> dict[str, ExtraGenerator]:
@@ -313,5 +323,8 @@ def check_answer(task: str, completion: str, answer: str) -> float:
     ``" 12<|im_end|>"`` score 1; ``"12 or 7"`` scores 0).
     """
     if task not in BUILTIN_TASKS:
-        raise _unknown(task)
+        extra = _extra_generators().get(task)
+        if extra is None or extra.check is None:
+            raise _unknown(task)
+        return extra.check(str(completion), str(answer))
     return BUILTIN_TASKS[task].check(str(completion), str(answer))

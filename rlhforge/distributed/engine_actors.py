@@ -50,8 +50,8 @@ class EngineHost:
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, prompts: list, params: list) -> list[GenerationOutput]:
-        out = self.engine.generate_sync(prompts, params)
+    def generate(self, prompts: list, params: list, vision: list | None = None) -> list[GenerationOutput]:
+        out = self.engine.generate_sync(prompts, params, vision)
         self.served += len(prompts)
         return out
 
@@ -127,11 +127,15 @@ class EngineActors:
         return self
 
     # -- GenerationEngine ---------------------------------------------------------------------------
-    async def generate(self, prompts: Sequence[Sequence[int]], params) -> list[GenerationOutput]:
+    async def generate(self, prompts: Sequence[Sequence[int]], params, vision: Sequence | None = None
+                       ) -> list[GenerationOutput]:
+        """``vision``: a VisionInput or None per prompt (a vision-language model; each goes with its prompt)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if vision is not None and len(vision) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(vision)} image entries")
         out: list[GenerationOutput | None] = [None] * len(prompts)
         pending = list(range(len(prompts)))
         while pending:
@@ -145,7 +149,9 @@ class EngineActors:
             for j, e in enumerate(live):
                 idx = [pending[k] for k, w in enumerate(where) if w == j]
                 if idx:
-                    jobs.append((e, idx, self._call(e, [list(prompts[i]) for i in idx], [params[i] for i in idx])))
+                    sub = None if vision is None else [vision[i] for i in idx]
+                    jobs.append((e, idx, self._call(e, [list(prompts[i]) for i in idx], [params[i] for i in idx],
+                                                    sub)))
             results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
             pending = []
             for (e, idx, _), res in zip(jobs, results):
@@ -161,11 +167,11 @@ class EngineActors:
             pending.sort()
         return out  # type: ignore[return-value]
 
-    async def _call(self, e: _Engine, prompts: list, params: list):
+    async def _call(self, e: _Engine, prompts: list, params: list, vision: list | None = None):
         work = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
         e.load += work
         try:
-            ref = e.handle.generate.remote(prompts, params)
+            ref = e.handle.generate.remote(prompts, params, vision)
             try:
                 return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
             except asyncio.TimeoutError:

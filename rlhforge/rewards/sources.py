@@ -110,10 +110,10 @@ class BuiltinReward:
     """Exact-answer verifiers of :mod:`rlhforge.data.builtin` (``task=None``: route by datasource)."""
 
     def __init__(self, task: str | None):
-        from rlhforge.data.builtin import BUILTIN_TASKS
+        from rlhforge.data.builtin import verifiable_tasks
 
-        if task is not None and task not in BUILTIN_TASKS:
-            raise RewardError(f"unknown built-in reward builtin:{task}; available: auto, {', '.join(sorted(BUILTIN_TASKS))}")
+        if task is not None and task not in verifiable_tasks():
+            raise RewardError(f"unknown built-in reward builtin:{task}; available: auto, {', '.join(verifiable_tasks())}")
         self.task = task
         self.name = f"built-in reward builtin:{task or 'auto'}"
 

@@ -26,6 +26,15 @@
   cache is reset afterwards (its KV blocks were computed with the old weights).
 - **sleep / wake_up**: vLLM's sleep mode when the engine was built with ``enable_sleep=True``
   (GPU only); no-ops otherwise (vLLM's CPU build has no sleep mode).
+- **images** (a vision-language model folder; GPU only, *not run here*): ``generate(..., vision=[VisionInput
+  | None per prompt])`` as in the HF engine; :mod:`rlhforge.rollout.vllm_vision` says how the expanded
+  prompts reach vLLM and why vLLM's CPU build is refused at construction (no torchvision). The image and
+  video placeholders are never sampled (``bad_words``: they are masked *before* vLLM computes its
+  processed log-probs, so a returned log-prob is ``log p(t) - log(1 - p(placeholders))``, renormalised
+  over the other tokens, where the HF engine and the trainer give ``log p(t)``; for a model trained on
+  chat data ``p(placeholders)`` after an assistant header is ~0). Weight sync needs no renaming: vLLM's
+  Qwen2-VL ``load_weights`` maps HF's ``model.visual.*`` / ``model.language_model.*`` / ``lm_head.*``
+  itself (its ``hf_to_vllm_mapper``).
 
 vLLM is imported lazily: this module imports without it.
 
@@ -47,6 +56,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.vllm_vision import (check_expanded_prompt, vlm_placeholders, vlm_unsupported_reason,
+                                         vllm_vision_prompt)
 from rlhforge.rollout.vllm_worker import EXTENSION_CLS
 
 __all__ = ["VLLMEngine", "EngineRouter", "vllm_available", "vllm_is_cpu_build", "build_vllm_engines",
@@ -112,6 +123,10 @@ class VLLMEngine:
             raise ValueError("vLLM sleep mode (enable_sleep) needs a GPU: vLLM's CPU build has none")
         if cpu and tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: the CPU engine runs on one process (use 1)")
+        self.vision = vlm_placeholders(str(model_path))
+        """A vision-language model: (image token id, placeholder ids never sampled); None for text."""
+        if self.vision is not None and (reason := vlm_unsupported_reason()) is not None:
+            raise ValueError(f"{model_path} is a vision-language model, which this vLLM cannot serve: {reason}")
         if in_process is None:
             in_process = cpu and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1"
         self.in_process = bool(in_process)
@@ -161,23 +176,27 @@ class VLLMEngine:
                     else:
                         os.environ[k] = v
         self._asleep = self._weights_awake = False
+        self._banned_words = None  # GPU only (not run here): vLLM bans words given as strings
+        if self.vision is not None:
+            self._banned_words = self.llm.get_tokenizer().convert_ids_to_tokens(self.vision[1])
 
     @classmethod
     def from_tokenizer(cls, model_path: str, tokenizer, **kwargs) -> "VLLMEngine":
         return cls(model_path, eos_token_id=tokenizer.eos_token_id, **kwargs)
 
     # -- the protocol -----------------------------------------------------------------------------
-    async def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams] | SamplingParams
-                       ) -> list[GenerationOutput]:
-        return await asyncio.to_thread(self.generate_sync, prompts, params)
+    async def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams] | SamplingParams,
+                       vision: Sequence | None = None) -> list[GenerationOutput]:
+        return await asyncio.to_thread(self.generate_sync, prompts, params, vision)
 
-    def generate_sync(self, prompts, params) -> list[GenerationOutput]:
+    def generate_sync(self, prompts, params, vision: Sequence | None = None) -> list[GenerationOutput]:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if not prompts:
             return []
+        vision = self._check_vision(prompts, vision)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if len(p) == 0:
                 raise ValueError("cannot generate from an empty prompt")
@@ -187,13 +206,30 @@ class VLLMEngine:
         work = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
         self.load += work
         try:
-            inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+            if vision is None:
+                inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+            else:  # GPU only (refused at construction on CPU): not run here
+                inputs = [vllm_vision_prompt(p, v, self.vision[0], f"request {i}")
+                          for i, (p, v) in enumerate(zip(prompts, vision))]
             vparams = [self._vllm_params(sp) for sp in params]
             with self._lock, self._engine_threads():
                 outs = self.llm.generate(inputs, vparams, use_tqdm=False)
         finally:
             self.load -= work
+        if vision is not None:
+            for i, (p, o) in enumerate(zip(prompts, outs)):
+                check_expanded_prompt(p, o.prompt_token_ids, f"request {i}")
         return [self._convert(o, sp) for o, sp in zip(outs, params)]
+
+    def _check_vision(self, prompts, vision) -> Sequence | None:
+        """``vision`` when some request has images (one entry per prompt), else None."""
+        if vision is None or all(v is None for v in vision):
+            return None
+        if len(vision) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(vision)} image entries")
+        if self.vision is None:
+            raise ValueError("this engine's model is not a vision-language model: it cannot take images")
+        return vision
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
                        fingerprint: bool = False) -> None:
@@ -309,7 +345,7 @@ class VLLMEngine:
             n=1, max_tokens=int(sp.max_new_tokens), temperature=0.0 if greedy else float(sp.temperature),
             top_p=1.0 if greedy else float(sp.top_p), top_k=0 if greedy or sp.top_k is None or sp.top_k <= 0 else int(sp.top_k),
             seed=None if sp.seed is None else int(sp.seed) % (2**63), stop_token_ids=stops, logprobs=0,
-            detokenize=False, skip_special_tokens=False,
+            detokenize=False, skip_special_tokens=False, bad_words=self._banned_words,
         )
 
     def _convert(self, out, sp: SamplingParams) -> GenerationOutput:
@@ -374,18 +410,21 @@ class EngineRouter:
                 out[i] = target
         return out
 
-    async def generate(self, prompts, params) -> list[GenerationOutput]:
+    async def generate(self, prompts, params, vision: Sequence | None = None) -> list[GenerationOutput]:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if vision is not None and len(vision) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(vision)} image entries")
         where = self.assign(prompts, params)
         jobs, index = [], []
         for j, engine in enumerate(self.engines):
             idx = [i for i, w in enumerate(where) if w == j]
             if idx:
                 index.append(idx)
-                jobs.append(engine.generate([prompts[i] for i in idx], [params[i] for i in idx]))
+                sub = {} if vision is None else {"vision": [vision[i] for i in idx]}
+                jobs.append(engine.generate([prompts[i] for i in idx], [params[i] for i in idx], **sub))
         results = await asyncio.gather(*jobs)
         out: list[GenerationOutput | None] = [None] * len(prompts)
         for idx, res in zip(index, results):

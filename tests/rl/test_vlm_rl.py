@@ -179,6 +179,18 @@ def test_vlm_refusals(vlm_dir, rl_data, tmp_path, capsys, extra, needle):
     assert "is a vision-language model" in err and needle in err
 
 
+def test_vllm_engines_with_a_vlm_need_a_torchvision_vllm_can_use(vlm_dir, rl_data, tmp_path, capsys):
+    from rlhforge.rollout.vllm_vision import vlm_unsupported_reason
+
+    if vlm_unsupported_reason() is None:
+        pytest.skip("torchvision imports here: vLLM can serve the VLM (tests/rl/test_vllm_vlm.py)")
+    with pytest.raises(SystemExit) as exit_info:
+        main(_rl_args(vlm_dir, rl_data, tmp_path / "x", "--vllm.num_engines", "1"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--vllm.num_engines 1" in err and "torchvision" in err and "--vllm.num_engines 0" in err
+
+
 def test_freeze_visual_encoder_on_a_text_model(tiny_model_dir, rl_data, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(_rl_args(tiny_model_dir, rl_data, tmp_path / "x"))
