@@ -125,4 +125,13 @@ def build_executor(cfg, tokenizer, reward_source):
     except ValueError as err:
         raise ConfigError(f"--train.sandbox_url {cfg.train.sandbox_url}: {err}") from None
     ex = load_agent_executor(path)
+    if getattr(tokenizer, "image_processor", None) is not None:  # a vision-language actor (docs/vlm.md)
+        from rlhforge.agents.openai_server import OpenAIServerAgentExecutor
+        from rlhforge.agents.openrlhf_compat import user_execute
+        from rlhforge.agents.multi_turn import AgentExecutorBase, MultiTurnAgentExecutor
+
+        if isinstance(ex, OpenAIServerAgentExecutor) or user_execute(ex, AgentExecutorBase, MultiTurnAgentExecutor):
+            raise ConfigError(f"--train.agent_func_path {path}: {type(ex).__name__} agents do not carry images yet; "
+                              "with a vision-language actor use an AgentInstance environment (its step() may "
+                              "return environment_images) or the single-turn executor (docs/vlm.md)")
     return ex.configure(tokenizer=tokenizer, reward_source=reward_source, settings=AgentSettings.from_config(cfg))

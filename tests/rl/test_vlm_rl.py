@@ -191,6 +191,53 @@ def test_vllm_engines_with_a_vlm_need_a_torchvision_vllm_can_use(vlm_dir, rl_dat
     assert "--vllm.num_engines 1" in err and "torchvision" in err and "--vllm.num_engines 0" in err
 
 
+ENV = '''
+from PIL import Image
+from rlhforge.agents import AgentInstanceBase
+
+
+class AgentInstance(AgentInstanceBase):
+    async def reset(self, states, **kwargs):
+        self.turn = 0  # short actions: an untrained model never stops, and the feedback image needs room
+        return {"observation": states["observation"], "sampling_params": {"max_tokens": 6}}
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        if self.turn == 1:  # a second look: the feedback carries an image (28x56 -> 2 image tokens)
+            return {"rewards": 0.0, "environment_feedback": "Look again: <image> What colour?",
+                    "environment_images": [Image.new("RGB", (28, 56), (40, 70, 220))], "done": False,
+                    "sampling_params": {"max_tokens": 6}}
+        hit = float(states["label"] in states["action_text"])
+        return {"rewards": hit + len(states["action_text"]) % 3 / 4, "scores": hit, "environment_feedback": "",
+                "done": True}
+'''
+
+
+def test_multi_turn_grpo_with_feedback_images(vlm_dir, rl_data, tmp_path):
+    env = tmp_path / "env.py"
+    env.write_text(ENV)
+    out = tmp_path / "mt"
+    assert main(_rl_args(vlm_dir, rl_data, out, "--train.agent_func_path", str(env), "--rollout.max_new_tokens",
+                         "24")) == 0
+    # every episode appended the feedback image (2 tokens + start/end), and the trainer's forward saw its
+    # pixels: the rollout-vs-train log-prob gap stays at float noise over both actions
+    assert per_step(out, "rollout/agent_env_images") == {1: 1.0, 2: 1.0}
+    for step, gap in per_step(out, "rollout/logprob_diff_rollout_vs_train").items():
+        assert gap < 1e-5, step
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert all("Look again: <|vision_start|><|image_pad|><|image_pad|><|vision_end|>" in s["response"]
+               for s in samples)
+
+
+def test_openai_agents_are_refused_with_a_vlm(vlm_dir, rl_data, tmp_path, capsys):
+    agent = tmp_path / "agent.py"
+    agent.write_text("async def run_agent(prompt, label, client):\n    return 0.0\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(_rl_args(vlm_dir, rl_data, tmp_path / "x", "--train.agent_func_path", str(agent)))
+    assert exit_info.value.code == 2
+    assert "do not carry images yet" in capsys.readouterr().err
+
+
 def test_freeze_visual_encoder_on_a_text_model(tiny_model_dir, rl_data, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(_rl_args(tiny_model_dir, rl_data, tmp_path / "x"))
