@@ -42,7 +42,6 @@ RL_BASE = ["--actor.model_name_or_path", MISSING, "--data.prompt_dataset", "buil
            "--reward.remote_url", "builtin:arithmetic", "--rollout.batch_size", "8", "--train.batch_size", "8"]
 
 RL_REFUSED = [
-    "--actor.freeze_visual_encoder", "--data.max_images_per_prompt", "--data.image_key",
     "--ds.deepcompile", "--ds.use_liger_kernel", "--use_ms",
 ]
 RL_NOTICE = [
