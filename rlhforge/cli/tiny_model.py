@@ -2,7 +2,9 @@
 trained tokenizer, loadable offline with ``from_pretrained``.
 
 ``--arch`` is one of :data:`rlhforge.models.tiny.ARCHS` (llama, qwen2, qwen3, gemma3_text, mistral,
-phi3, qwen3_moe, mixtral); an unknown name exits 2 with the valid names.
+phi3, qwen3_moe, mixtral) or a vision-language family of
+:data:`rlhforge.models.tiny_vlm.VLM_ARCHS` (qwen2_vl, qwen2_5_vl, qwen3_vl: model + processor files);
+an unknown name exits 2 with the valid names.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class TinyModelArgs:
     out: str
     """Output folder (loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained)."""
     arch: str = "llama"
-    """Model family: llama, qwen2, qwen3, gemma3_text, mistral, phi3, qwen3_moe, mixtral; vision-language: qwen2_vl, qwen2_5_vl."""
+    """Model family: llama, qwen2, qwen3, gemma3_text, mistral, phi3, qwen3_moe, mixtral; vision-language: qwen2_vl, qwen2_5_vl, qwen3_vl."""
     seed: int = 0
     """Seed for the weights and the tokenizer corpus; the same seed gives the same files."""
     spec: TinyModelSpec = field(default_factory=TinyModelSpec)

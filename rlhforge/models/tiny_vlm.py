@@ -1,4 +1,4 @@
-"""Tiny vision-language models (Qwen2-VL, Qwen2.5-VL) with their processor files, built without a hub.
+"""Tiny vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) with their processor files, built without a hub.
 
 ``build_tiny_vlm(out_dir, arch="qwen2_vl")`` writes a folder that
 ``AutoModelForImageTextToText.from_pretrained`` loads offline, plus the processor files that
@@ -11,6 +11,13 @@
   projects to the text hidden size, so a 28x28 image is 2x2 patches -> 1 image token and a 56x56
   one is 4x4 -> 4 tokens;
 - image processor: Qwen2-VL's, with ``min_pixels = 28 * 28`` and ``max_pixels = 112 * 112``;
+- Qwen3-VL (``qwen3_vl``): the same text sizes (explicit ``head_dim`` 32, q/k norms, interleaved
+  M-RoPE sections ``[6, 5, 5]``), a 2-block vision tower (width 32, patch **16**, a learned 8x8
+  position grid, DeepStack features from block 0 added after text layer 0); its image processor is
+  Qwen2-VL's class with patch 16, mean/std 0.5 and ``min_pixels = 32 * 32``, ``max_pixels = 128 * 128``
+  (sides rounded to multiples of 32: a 56x56 image is 64x64 -> 4x4 patches -> 4 tokens). Its image
+  inputs have the same form as Qwen2-VL's (``pixel_values`` [patches, 3 * 2 * 16 * 16],
+  ``image_grid_thw``, ``mm_token_type_ids``) and its chat template renders the same vision tokens;
 - tokenizer: :func:`rlhforge.models.tiny.build_tokenizer` plus Qwen2-VL's special tokens
   (:data:`VISION_TOKENS`) and :data:`CHATML_VL_TEMPLATE`, a ChatML template with
   ``{% generation %}`` markers that renders ``{"type": "image"}`` content parts as
@@ -57,6 +64,15 @@ CHATML_VL_TEMPLATE = (
 VLM_ARCHS: dict[str, tuple[str, str]] = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLProcessor"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLProcessor"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLProcessor"),
+}
+
+#: --arch NAME -> (image processor kwargs, video processor class) of the tiny processor
+_PROCESSORS: dict[str, tuple[dict, str]] = {
+    "qwen2_vl": (dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS), "Qwen2VLVideoProcessor"),
+    "qwen2_5_vl": (dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS), "Qwen2VLVideoProcessor"),
+    "qwen3_vl": (dict(min_pixels=32 * 32, max_pixels=128 * 128, patch_size=16, image_mean=[0.5, 0.5, 0.5],
+                      image_std=[0.5, 0.5, 0.5]), "Qwen3VLVideoProcessor"),
 }
 
 
@@ -78,6 +94,9 @@ def _vision_config(arch: str, hidden: int) -> dict:
     common = dict(depth=1, num_heads=2, in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     if arch == "qwen2_vl":
         return dict(common, embed_dim=32, hidden_size=hidden, mlp_ratio=2)
+    if arch == "qwen3_vl":  # patch 16, a learned 8x8 position grid, DeepStack from block 0 into text layer 0
+        return dict(common, depth=2, patch_size=16, hidden_size=32, intermediate_size=64, out_hidden_size=hidden,
+                    num_position_embeddings=64, deepstack_visual_indexes=[0])
     # Qwen2.5-VL: hidden_size is the tower's width, out_hidden_size the merger's output (the text width)
     return dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=hidden, window_size=56,
                 fullatt_block_indexes=[0])
@@ -87,11 +106,12 @@ def _write_processor_files(out: Path, arch: str, tokenizer) -> None:
     """Image processor, video processor config (written as JSON: the class needs torchvision), processor config."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    image_kwargs, video_class = _PROCESSORS[arch]
+    image_processor = Qwen2VLImageProcessorPil(**image_kwargs)
     image_processor.save_pretrained(out)
     video = dict(json.loads((out / "preprocessor_config.json").read_text()))
     video.pop("image_processor_type", None)
-    video.update(video_processor_type="Qwen2VLVideoProcessor", min_frames=1, max_frames=4, fps=2.0, do_sample_frames=False)
+    video.update(video_processor_type=video_class, min_frames=1, max_frames=4, fps=2.0, do_sample_frames=False)
     (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     (out / "processor_config.json").write_text(json.dumps({"processor_class": VLM_ARCHS[arch][1]}, indent=2) + "\n")
     (out / "chat_template.jinja").write_text(tokenizer.chat_template)
@@ -115,6 +135,9 @@ def build_tiny_vlm(out_dir: str | Path, arch: str = "qwen2_vl", seed: int = 0) -
                 rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0},
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    if arch == "qwen3_vl":  # head_dim is explicit; M-RoPE's T/H/W frequencies are interleaved (16 = 6 + 5 + 5)
+        text.update(head_dim=hidden // 2, rope_parameters={"rope_type": "default", "mrope_section": [6, 5, 5],
+                                                           "mrope_interleaved": True, "rope_theta": 10000.0})
     config = getattr(transformers, VLM_ARCHS[arch][0])(
         text_config=text, vision_config=_vision_config(arch, hidden), image_token_id=ids[IMAGE_PAD],
         video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],

@@ -38,8 +38,10 @@ _PROCESSOR_FILES = ("processor_config.json", "video_preprocessor_config.json", "
 
 
 #: model types whose pixel inputs (``pixel_values`` [patches, D], ``image_grid_thw``, M-RoPE from
-#: ``mm_token_type_ids``) this module builds and the tests check; other VLMs are refused for now
-SUPPORTED_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl")
+#: ``mm_token_type_ids``) this module builds and the tests check; other VLMs are refused for now.
+#: Qwen3-VL has the same inputs, image token and ``get_rope_index`` signature as Qwen2-VL (its
+#: DeepStack features and interleaved M-RoPE live inside the model): tests/models/test_vlm_family3.py
+SUPPORTED_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def check_supported_vlm(path: str, trust_remote_code: bool = False) -> None:
