@@ -229,6 +229,20 @@ def test_multi_turn_grpo_with_feedback_images(vlm_dir, rl_data, tmp_path):
                for s in samples)
 
 
+def test_a_bad_image_in_the_prompts_stops_at_start_up(vlm_dir, rl_data, tmp_path, capsys):
+    bad = rl_data / "bad.jsonl"  # beside the images: paths are relative to the data file
+    rows = [json.loads(x) for x in (rl_data / "prompts.jsonl").read_text().splitlines()[:3]]
+    rows[1]["images"] = [str(rl_data / "img" / "missing.png")]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = _rl_args(vlm_dir, rl_data, tmp_path / "x")
+    args[args.index("--data.prompt_dataset") + 1] = str(bad)
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl" in err and "record 1" in err and "images[0]" in err and "image file not found" in err
+
+
 def test_openai_agents_are_refused_with_a_vlm(vlm_dir, rl_data, tmp_path, capsys):
     agent = tmp_path / "agent.py"
     agent.write_text("async def run_agent(prompt, label, client):\n    return 0.0\n")
