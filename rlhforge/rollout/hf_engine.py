@@ -2,13 +2,21 @@
 
 The engine holds its own copy of the policy (``HFEngine.from_model`` deep-copies the trainer's
 module; ``HFEngine.from_pretrained`` loads a folder) and decodes a batch of left-padded prompts
-token by token with the model's ``DynamicCache``. Sampling (temperature, top-p, top-k) is done
+token by token. Sampling (temperature, top-p, top-k) is done
 for the whole batch at once (:func:`rlhforge.rollout.hf_generate.sample_batch`) with counter-based
 noise keyed by each request's seed and response position, so each request's tokens depend only on
 its prompt, parameters, seed and the weights - not on the other rows of the batch or on global RNG
 state (a request without a seed draws one from the global torch RNG). The sampled tokens'
 log-probs come from the same pass, and rows that finished leave the batch (and its KV cache).
 ``update_weights`` copies the trainer's state dict in (the weight sync).
+
+**Decoding speed** (issue #13; the outputs are bit-identical either way). The KV cache is reserved
+once per batch and written in place (:class:`rlhforge.rollout.kv_cache.PreallocatedCache`) where
+``transformers.DynamicCache`` concatenates every layer's keys and values at each step
+(``kv_cache="dynamic"`` keeps DynamicCache, as do models whose config declares non-attention cache
+layers). On CPU a decoding step's grouped-query attention reads the un-repeated KV heads
+(:mod:`rlhforge.rollout.decode_attention`) instead of copying them per query head
+(``native_gqa=False`` keeps transformers' SDPA). The prefill computes the last position's logits only.
 
 **Images.** A vision-language model's requests may carry images (``generate(..., vision=[VisionInput |
 None per prompt])``, :class:`rlhforge.data.images.VisionInput`): the prefill gets their
@@ -50,7 +58,9 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int],
                  batch_size: int = 64, record_routing: bool = False, image_token_id: int | None = None,
-                 banned_token_ids: Sequence[int] = ()):
+                 banned_token_ids: Sequence[int] = (), kv_cache: str = "preallocated", native_gqa: bool = True):
+        if kv_cache not in ("preallocated", "dynamic"):
+            raise ValueError(f"kv_cache must be 'preallocated' or 'dynamic', got {kv_cache!r}")
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -68,24 +78,31 @@ class HFEngine:
         """A vision-language model: its image token (requests may then carry images)."""
         self.banned = torch.tensor(sorted(set(int(t) for t in banned_token_ids)), dtype=torch.long, device=self.device)
         """Tokens never sampled (a VLM's image / video placeholders)."""
+        self.kv_cache = kv_cache if _attention_only(model) else "dynamic"
+        """``preallocated``: the decode loop's KV cache is reserved once per batch and written in place
+        (same outputs as ``dynamic``, transformers' DynamicCache, without its per-step concatenation)."""
+        self.native_gqa = native_gqa
+        """Decoding steps on CPU use SDPA's own grouped-query attention (no ``repeat_kv`` copy)."""
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64, record_routing: bool = False
-                   ) -> "HFEngine":
+    def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64, record_routing: bool = False,
+                   kv_cache: str = "preallocated") -> "HFEngine":
         """An engine with its own copy of ``model`` (the trainer's unwrapped module)."""
         return cls(copy.deepcopy(model), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   batch_size=batch_size, record_routing=record_routing, **_vision_kwargs(tokenizer))
+                   batch_size=batch_size, record_routing=record_routing, kv_cache=kv_cache,
+                   **_vision_kwargs(tokenizer))
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer, device: str | torch.device = "cpu", batch_size: int = 64,
-                        dtype: torch.dtype = torch.float32, record_routing: bool = False) -> "HFEngine":
+                        dtype: torch.dtype = torch.float32, record_routing: bool = False,
+                        kv_cache: str = "preallocated") -> "HFEngine":
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         vision = _vision_kwargs(tokenizer)
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model = auto.from_pretrained(path, dtype=dtype).to(device)
         return cls(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   batch_size=batch_size, record_routing=record_routing, **vision)
+                   batch_size=batch_size, record_routing=record_routing, kv_cache=kv_cache, **vision)
 
     # -- the protocol -----------------------------------------------------------------------------
     async def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams] | SamplingParams,
@@ -129,8 +146,6 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_batch(self, prompts, params: Sequence[SamplingParams], vision=None) -> list[GenerationOutput]:
-        from transformers import DynamicCache
-
         from rlhforge.rollout.hf_generate import sample_batch, seed_keys
 
         n = len(prompts)
@@ -171,7 +186,7 @@ class HFEngine:
         alive = torch.arange(len(rows), device=dev)  # output row of each row of the running batch
         active = torch.ones(len(rows), dtype=torch.bool, device=dev)  # still decoding (else carried until compaction)
         ids, attn = ids.to(dev), attn.to(dev)
-        cache = DynamicCache()
+        cache = self._new_cache(width + steps - 1)  # the last sampled token is never fed back
         position = (attn.cumsum(-1) - 1).clamp(min=0)
         pixels = {}  # prefill only: the images' pixel inputs, positions from the model's M-RoPE
         if vision is not None and any(vision[i] is not None for i in rows):
@@ -180,9 +195,10 @@ class HFEngine:
         route = _RouteLog(self.model, len(rows), width, steps) if self.record_routing else None
         banned = self.banned if len(self.banned) else None
         for t in range(steps):
-            with self._lock, (route.recorder if route else contextlib.nullcontext()):
+            with self._lock, self._attention(), (route.recorder if route else contextlib.nullcontext()):
                 logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=position,
-                                    past_key_values=cache, use_cache=True, **pixels).logits[:, -1, :].float()
+                                    past_key_values=cache, use_cache=True, logits_to_keep=1,  # prefill: last only
+                                    **pixels).logits[:, -1, :].float()
             pixels = {}
             if route is not None:
                 route.add(t, alive)
@@ -215,6 +231,23 @@ class HFEngine:
                 outputs[i].extra["routed_experts"] = route.row(r, len(prompts[i]), k)
         return outputs
 
+    def _new_cache(self, capacity: int):
+        """The KV cache of one batch: ``capacity`` tokens per row (prompt width + new tokens)."""
+        if self.kv_cache == "dynamic":
+            from transformers import DynamicCache
+
+            return DynamicCache()
+        from rlhforge.rollout.kv_cache import PreallocatedCache
+
+        return PreallocatedCache(capacity)
+
+    def _attention(self):
+        """The attention the model's forward uses (:func:`rlhforge.rollout.decode_attention.decode_attention`)."""
+        if not self.native_gqa:
+            return contextlib.nullcontext()
+        from rlhforge.rollout.decode_attention import decode_attention
+
+        return decode_attention(self.model)
 
     def _vision_prefill(self, ids: torch.Tensor, attn: torch.Tensor, visions) -> tuple[dict, torch.Tensor]:
         """The prefill's pixel inputs and M-RoPE positions [3, B, W] of a left-padded batch."""
@@ -224,6 +257,14 @@ class HFEngine:
         inputs = vision_batch(ids, visions, self.image_token_id)
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         return inputs, mrope_positions(self.model, ids, attn, inputs)
+
+
+def _attention_only(model) -> bool:
+    """Whether every cache layer of ``model`` is (full, sliding or chunked) attention: hybrids with linear
+    attention / conv states keep transformers' DynamicCache."""
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None) or ()
+    return all(t in ("full_attention", "sliding_attention", "chunked_attention") for t in types)
 
 
 def _vision_kwargs(tokenizer) -> dict:

@@ -1,0 +1,212 @@
+"""The HF engine's decode-loop speed-ups: the preallocated KV cache (rlhforge.rollout.kv_cache: the same
+keys/values as transformers' DynamicCache, written in place) and SDPA's native grouped-query attention
+for decoding steps on CPU (rlhforge.rollout.decode_attention). With both, the engine samples the same
+tokens with the same log-probs (bit-identical) as with DynamicCache and transformers' SDPA - greedy and
+seeded, top-k / top-p, mixed prompt lengths, rows finishing early (batch compaction), MHA and GQA,
+sliding-window attention, MoE routing records and Qwen2-VL images."""
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from rlhforge.models.tiny import TinyModelSpec, build_tiny_model
+from rlhforge.rollout.engine import SamplingParams
+from rlhforge.rollout.hf_engine import HFEngine
+from rlhforge.rollout.kv_cache import PreallocatedCache, PreallocatedLayer
+
+
+def _kv(step: int, b: int = 3, n: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(b, 2, n, 4, generator=g), torch.randn(b, 2, n, 4, generator=g)
+
+
+def test_cache_holds_what_dynamic_cache_holds_and_writes_in_place():
+    ours, ref = PreallocatedCache(capacity=9), DynamicCache()
+    for cache in (ours, ref):
+        for layer in range(2):
+            cache.update(*_kv(layer, n=5), layer)  # prefill: 5 tokens
+    buffer = ours.layers[0]._k_buf.data_ptr()
+    for step in range(1, 5):
+        if step == 3:  # drop row 1, as the engine does for finished rows
+            keep = torch.tensor([0, 2])
+            ours.batch_select_indices(keep), ref.batch_select_indices(keep)
+            buffer = ours.layers[0]._k_buf.data_ptr()
+        for layer in range(2):
+            kv = _kv(10 * step + layer, b=2 if step >= 3 else 3)
+            k, v = ours.update(*kv, layer)
+            k_ref, v_ref = ref.update(*kv, layer)
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+        assert ours.get_seq_length() == ref.get_seq_length() == 5 + step
+        assert ours.get_mask_sizes(1, 0) == ref.get_mask_sizes(1, 0)
+        assert ours.layers[0]._k_buf.data_ptr() == buffer  # no reallocation: written in place
+        assert ours.layers[0].keys.data_ptr() == buffer  # the attention sees a view of the buffer
+    assert ours.layers[0]._k_buf.shape[-2] == 9
+
+
+def test_a_layer_grows_past_its_capacity_and_follows_a_replaced_tensor():
+    ours, ref = PreallocatedLayer(capacity=2), DynamicCache().layer_class_to_replicate()
+    for step in range(6):  # capacity 2, 3 tokens at once, then one by one: reallocates (doubling)
+        kv = _kv(step, n=3 if step == 0 else 1)
+        k, v = ours.update(*kv)
+        assert torch.equal(k, ref.update(*kv)[0]) and torch.equal(v, ref.values)
+    assert ours._k_buf.shape[-2] >= 8
+    for layer in (ours, ref):  # a base-class method replaces the tensors: the next update continues from them
+        layer.batch_repeat_interleave(2)
+    k, v = ours.update(*_kv(99, b=6))
+    assert torch.equal(k, ref.update(*_kv(99, b=6))[0]) and torch.equal(v, ref.values)
+
+
+def _same_outputs(model, prompts, params, vision=None, **engine_kw):
+    """Generate with the engine's defaults and with DynamicCache + transformers' SDPA over the same weights;
+    assert bit-identical tokens, log-probs, finish reasons and routing records; return the defaults' outputs."""
+    baseline = HFEngine(model, kv_cache="dynamic", native_gqa=False, **engine_kw)
+    fast = HFEngine(model, **engine_kw)
+    assert fast.kv_cache == "preallocated" and fast.native_gqa
+    outs = {name: asyncio.run(e.generate(prompts, params, vision=vision)) for name, e in
+            (("baseline", baseline), ("fast", fast))}
+    assert model.config.get_text_config(decoder=True)._attn_implementation == "sdpa"  # restored after each step
+    for a, b in zip(outs["baseline"], outs["fast"]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == b.logprobs  # bit-identical
+        if "routed_experts" in a.extra:
+            assert torch.equal(a.extra["routed_experts"], b.extra["routed_experts"])
+    return outs["fast"]
+
+
+def _mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy, plain sampling, top-k, top-p and both; lengths 2..12 so rows finish early (compaction)."""
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=5),
+             dict(temperature=1.2, top_p=0.7), dict(temperature=1.0, top_k=20, top_p=0.9)]
+    return [SamplingParams(max_new_tokens=[2, 12, 3, 12, 7, 12][i % 6], seed=100 + i, **kinds[i % len(kinds)])
+            for i in range(n)]
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab, (int(torch.randint(1, 18, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture
+def count_compactions(monkeypatch):
+    """Count the batch compactions that reach the preallocated layers (the real method still runs)."""
+    calls = []
+    real = PreallocatedLayer.batch_select_indices
+
+    def spy(self, indices):
+        calls.append(len(indices))
+        return real(self, indices)
+
+    monkeypatch.setattr(PreallocatedLayer, "batch_select_indices", spy)
+    return calls
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("qwen3", 2), ("mistral", 2), ("phi3", 4)])
+def test_same_tokens_and_logprobs_as_dynamic_cache(arch, kv_heads, tmp_path, count_compactions):
+    # kv_heads 4 of 4 heads: no GQA, the attention reads the buffer's strided views directly
+    path = build_tiny_model(tmp_path / arch, TinyModelSpec(num_key_value_heads=kv_heads), seed=0, arch=arch)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts, params = _prompts(8, len(tok)), _mixed_params(8)
+    outs = _same_outputs(model, prompts, params, pad_token_id=tok.pad_token_id, eos_token_id=[len(tok) + 7])
+    assert [len(o.token_ids) for o in outs] == [p.max_new_tokens for p in params]  # the eos id is never sampled
+    assert count_compactions  # rows finished early and left the batch
+    assert count_compactions[0] < len(prompts)
+
+
+def test_sliding_window_layers_mask_the_same(tmp_path):
+    path = build_tiny_model(tmp_path / "gemma3", seed=0, arch="gemma3_text")
+    config = AutoConfig.from_pretrained(path, sliding_window=6)  # shorter than the prompts + responses
+    model = AutoModelForCausalLM.from_pretrained(path, config=config).eval()
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    tok = AutoTokenizer.from_pretrained(path)
+    _same_outputs(model, _prompts(6, len(tok), seed=1), _mixed_params(6), pad_token_id=tok.pad_token_id,
+                  eos_token_id=tok.eos_token_id)
+
+
+def test_per_request_seeds_do_not_depend_on_the_batch(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = HFEngine.from_pretrained(str(tiny_model_dir), tok, batch_size=8)
+    assert engine.kv_cache == "preallocated"
+    prompts, params = _prompts(6, len(tok), seed=2), _mixed_params(6)
+    together = engine.generate_sync(prompts, params)
+    for p, sp, out in zip(prompts, params, together):
+        alone = engine.generate_sync([p], [sp])[0]
+        assert alone.token_ids == out.token_ids
+        assert alone.logprobs == pytest.approx(out.logprobs, abs=1e-5)
+
+
+def test_moe_routing_records_are_the_same():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, num_experts_per_tok=2, moe_intermediate_size=32, num_experts=4)).eval()
+    outs = _same_outputs(model, _prompts(6, 64, seed=3), _mixed_params(6), pad_token_id=0, eos_token_id=63,
+                         record_routing=True)
+    assert all(o.extra["routed_experts"].shape[1:] == (2, 2) for o in outs)
+
+
+def test_qwen2_vl_with_images_is_the_same(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from rlhforge.models.tiny_vlm import build_tiny_vlm
+    from rlhforge.models.vlm import load_processor
+    from tests.rl.test_vlm_rl import _prompts as vlm_prompts
+
+    path = build_tiny_vlm(tmp_path / "vlm", arch="qwen2_vl", seed=0)
+    processor = load_processor(str(path))
+    model = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
+    ids, vision = map(list, zip(*vlm_prompts(processor)))
+    params = [SamplingParams(3, temperature=1.0, seed=1), SamplingParams(10, temperature=0.0),
+              SamplingParams(10, temperature=1.0, top_k=8, seed=2)]  # row 0 finishes first: compaction
+    kw = dict(pad_token_id=processor.pad_token_id, eos_token_id=processor.eos_token_id,
+              image_token_id=processor.image_token_id, banned_token_ids=processor.placeholder_token_ids)
+    _same_outputs(model, ids, params, vision=vision, **kw)
+
+
+def test_models_with_linear_attention_layers_keep_dynamic_cache():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(config)
+    assert HFEngine(model, pad_token_id=0, eos_token_id=1).kv_cache == "preallocated"
+    model.config.layer_types = ["linear_attention", "full_attention"]  # a hybrid's declaration (Qwen3-Next-like)
+    assert HFEngine(model, pad_token_id=0, eos_token_id=1).kv_cache == "dynamic"
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        HFEngine(model, pad_token_id=0, eos_token_id=1, kv_cache="static")
+
+
+def test_decode_attention_is_sdpa_without_repeating_kv_heads():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhforge.rollout.decode_attention import NAME, decode_attention
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 64, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = mask[1, :2] = 0  # left padding
+    calls = []
+    attn = model.model.layers[0].self_attn
+    attn.register_forward_pre_hook(lambda m, a, kw: calls.append(m.config._attn_implementation), with_kwargs=True)
+    logits = {}
+    with torch.no_grad():
+        for native in (False, True):
+            cache = PreallocatedCache(12)
+            with decode_attention(model) if native else contextlib.nullcontext():
+                model(input_ids=ids[:, :8], attention_mask=mask[:, :8], past_key_values=cache, use_cache=True)
+                logits[native] = model(input_ids=ids[:, 8:], attention_mask=mask, past_key_values=cache,
+                                       use_cache=True).logits
+    assert torch.equal(logits[False], logits[True])
+    assert calls == ["sdpa", "sdpa", NAME, NAME] and config._attn_implementation == "sdpa"
+    model.config._attn_implementation_internal = "eager"  # not SDPA: left as it is
+    with decode_attention(model):
+        assert model.config._attn_implementation == "eager"
