@@ -90,6 +90,7 @@ class ActorWorker(TrainableWorker):
     ring_size = 1
     routing_replay = False  # --train.routing_replay: batches carry the rollout's MoE routing
     aux_loss_coef = 0.0  # --actor.aux_loss_coef on an MoE model (0: no load-balancing term)
+    image_token_id = None  # a vision-language actor's image token (its batches then carry pixels)
 
     def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
         from rlhforge.backend.factory import build_strategy
@@ -306,6 +307,7 @@ class RefWorker:
 
     pass_tokens: int | None = None
     """``--train.dynamic_batch_enable``: token budget of a log-prob micro-batch (None: fixed micro-batches)."""
+    image_token_id = None  # a vision-language reference's image token
 
     def __init__(self, cfg, tokenizer, device=None):
         from rlhforge.backend.device import dist_info, resolve_device

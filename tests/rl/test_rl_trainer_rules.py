@@ -63,7 +63,7 @@ def _traj(prompt_len, resp, reward, extra=None):
 
 
 def _trainer(cfg, tmp_path, *, actor=None, ref=None, executor=None):
-    prompts = [SimpleNamespace(ids=[1, 2], label=None, datasource=None, index=i, raw={}) for i in range(4)]
+    prompts = [SimpleNamespace(ids=[1, 2], label=None, datasource=None, index=i, raw={}, vision=None) for i in range(4)]
     tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)))
     return RLTrainer(cfg, tok, prompts, [], SimpleNamespace(total_steps=2), actor=actor or _Group(), ref=ref,
                      critic=None, engine=_Engine(), reward_source=None, logger=None, run_dir=tmp_path,
