@@ -80,8 +80,9 @@ def _load() -> float | None:
 
 
 def _spec(args: QuickstartArgs, split: str, n: int) -> str:
-    params = f"&{args.task_params}" if args.task_params else ""
-    return f"builtin:{args.task}?n={n}&seed={args.seed}{params}@{split}"
+    from rlhforge.data.builtin import builtin_spec
+
+    return builtin_spec(args.task, split, n, args.seed, args.task_params)
 
 
 def held_out_records(args: QuickstartArgs) -> list[dict]:

@@ -57,11 +57,6 @@ class VLMQuickstartArgs:
     """torch CPU threads."""
 
 
-def _spec(args: VLMQuickstartArgs, split: str, n: int) -> str:
-    params = f"&{args.task_params}" if args.task_params else ""
-    return f"builtin:{args.task}?n={n}&seed={args.seed}{params}@{split}"
-
-
 def accuracy(model_dir, task: str, records: list[dict], samples: int, seed: int, max_new_tokens: int) -> dict:
     """Greedy accuracy and sampled pass@1 of the VLM in ``model_dir`` on image ``records``."""
     import asyncio
@@ -136,15 +131,18 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
     from rlhforge.config.rl import (ActorConfig, AdvantageConfig, AlgoConfig, KLConfig, RLCkptConfig, RLConfig,
                                     RLDataConfig, RLTrainConfig, RewardConfig, RolloutConfig)
     from rlhforge.config.sft import SFTConfig, SFTDataConfig, SFTModelConfig
-    from rlhforge.data.builtin import generate_builtin, parse_builtin_spec
+    from rlhforge.data.builtin import builtin_spec, generate_builtin, parse_builtin_spec
     from rlhforge.models.tiny_vlm import build_tiny_vlm
 
     if args.task not in VLM_TASKS:
         raise SystemExit(f"{prog}: error: --task {args.task!r} is not an image task ({', '.join(VLM_TASKS)})")
+    def spec(split: str, n: int, extra: str = "") -> str:
+        return builtin_spec(args.task, split, n, args.seed, "&".join(x for x in (args.task_params, extra) if x))
+
     start = time.time()
     run_dir = Path(args.out)
     base = build_tiny_vlm(run_dir / "base", arch="qwen2_vl", seed=args.seed)
-    params = {k: v for k, v in parse_builtin_spec(_spec(args, "test", 1)).params.items() if k not in ("n", "seed")}
+    params = {k: v for k, v in parse_builtin_spec(spec("test", 1)).params.items() if k not in ("n", "seed")}
     eval_records = generate_builtin(args.task, "test", n=args.eval_size, seed=args.seed, **params)
 
     def measure(model_dir) -> dict:
@@ -158,7 +156,7 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
     t = time.time()
     sft = SFTConfig(
         model=SFTModelConfig(model_name_or_path=str(base)),
-        data=SFTDataConfig(dataset=_spec(args, "train", args.train_records) .replace("@train", "&format_only=1@train"),
+        data=SFTDataConfig(dataset=spec("train", args.train_records, "format_only=1"),
                            input_key="prompt",
                            output_key="completion", apply_chat_template=True, max_len=128),
         train=TrainConfig(batch_size=args.sft_batch_size, micro_batch_size=args.sft_batch_size, max_epochs=1,
@@ -184,7 +182,7 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
         train=RLTrainConfig(batch_size=n_samples, micro_batch_size=n_samples, max_epochs=1, max_steps=args.rl_steps,
                             num_episodes=1000, seed=args.seed),
         algo=AlgoConfig(advantage=AdvantageConfig(estimator="group_norm"), kl=KLConfig(init_coef=0.0)),
-        data=RLDataConfig(prompt_dataset=_spec(args, "train", args.train_records), input_key="prompt",
+        data=RLDataConfig(prompt_dataset=spec("train", args.train_records), input_key="prompt",
                           label_key="answer", apply_chat_template=True, max_len=128),
         ckpt=RLCkptConfig(output_dir=str(run_dir / "rl"), path=str(run_dir / "rl" / "checkpoints")),
         logger=LoggerConfig(logging_steps=1),

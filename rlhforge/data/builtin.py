@@ -51,6 +51,7 @@ from rlhforge.data.errors import DataError
 __all__ = [
     "BUILTIN_TASKS",
     "BuiltinSpec",
+    "builtin_spec",
     "check_answer",
     "verifiable_tasks",
     "generate_builtin",
@@ -214,6 +215,12 @@ class BuiltinSpec:
 
 
 _SPEC = re.compile(r"^builtin:(?P<name>[A-Za-z0-9_\-]+)(?P<rest>.*)$")
+
+
+def builtin_spec(name: str, split: str, n: int, seed: int = 0, params: str = "") -> str:
+    """``builtin:NAME?n=N&seed=S[&PARAMS]@SPLIT``: the spec :func:`parse_builtin_spec` reads (``params``:
+    ``&``-separated ``k=v`` pairs)."""
+    return f"builtin:{name}?n={n}&seed={seed}{'&' + params if params else ''}@{split}"
 
 
 def parse_builtin_spec(spec: str) -> BuiltinSpec:

@@ -59,6 +59,7 @@ def _to_prompts(dataset, tokenizer, data_cfg, prompt_max_len: int, what: str) ->
     that string, a number that number, ``null`` is ``None``); a record without the key is an error."""
     from rlhforge.data.records import get_field, record_ref
     from rlhforge.data.templates import encode_prompt
+    from rlhforge.data.vlm_prompts import vlm_prompt
 
     prompts, skipped = [], 0
     vlm = getattr(tokenizer, "image_processor", None) is not None  # a models.vlm.VisionProcessor
@@ -66,8 +67,6 @@ def _to_prompts(dataset, tokenizer, data_cfg, prompt_max_len: int, what: str) ->
         ref = record_ref(record, pos)
         vision = None
         if vlm:  # images placed by the chat template, image tokens expanded (data/vlm_prompts.py)
-            from rlhforge.data.vlm_prompts import vlm_prompt
-
             raw, ids, vision = vlm_prompt(record, tokenizer, ref, input_key=data_cfg.input_key,
                                           image_key=data_cfg.image_key, max_images=data_cfg.max_images_per_prompt)
         else:

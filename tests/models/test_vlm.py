@@ -15,6 +15,7 @@ from tests.vlm_helpers import shape_image
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ARCHS = ["qwen2_vl", "qwen2_5_vl"]
+ALL_ARCHS = [*ARCHS, "qwen3_vl"]  # Qwen3-VL's own checks: tests/models/test_vlm_family3.py
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def vlm_dirs(tmp_path_factory):
     from rlhforge.models.tiny_vlm import build_tiny_vlm
 
     root = tmp_path_factory.mktemp("vlms")
-    return {arch: build_tiny_vlm(root / arch, arch=arch, seed=0) for arch in ARCHS}
+    return {arch: build_tiny_vlm(root / arch, arch=arch, seed=0) for arch in ALL_ARCHS}
 
 
 def _records():
@@ -91,7 +92,7 @@ def test_text_models_are_not_vlms(tiny_model_dir):
     assert not is_vlm(str(tiny_model_dir))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_padded_logprobs_equal_per_sample_and_plain_hf_forwards(vlm_dirs, arch):
     proc = load_processor(str(vlm_dirs[arch]))
     model = _model(vlm_dirs[arch])

@@ -1,24 +1,20 @@
 """The third vision-language family, Qwen3-VL (``qwen3_vl``), on a tiny random model: the tiny-model CLI
-and its processor files, samples equal to transformers' own Qwen3VLProcessor, padded log-probs equal
-per-sample and plain HF forwards, the HF engine's log-probs equal the trainer's forward with the same
-pixels, and SFT / GRPO runs through the CLIs (about 1 s each on the tiny model)."""
+and its processor files, samples equal to transformers' own Qwen3VLProcessor, and SFT / GRPO runs through
+the CLIs (about 1 s each on the tiny model). Padded = per-sample log-probs: tests/models/test_vlm.py; the HF
+engine's log-probs = the trainer's forward with the same pixels: tests/rl/test_vlm_rl.py (both parametrized
+over the families)."""
 
-import asyncio
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhforge.data.images import collate_vlm, place_images, vision_batch
-from rlhforge.data.packing import collate_padded
-from rlhforge.data.records import RecordRef, record_ref
-from rlhforge.data.vlm_prompts import vlm_prompt
+from rlhforge.data.images import collate_vlm, place_images
+from rlhforge.data.records import RecordRef
 from rlhforge.data.vlm_sft import build_vlm_sft_samples
 from rlhforge.models.forward import token_logprobs
 from rlhforge.models.vlm import check_supported_vlm, is_vlm, load_processor, vision_tower
-from rlhforge.rollout.engine import SamplingParams
-from rlhforge.rollout.hf_engine import HFEngine
 from tests.vlm_helpers import COLOURS, shape_image, write_colour_data
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -109,72 +105,6 @@ def test_samples_match_the_model_and_equal_the_hf_processor_output(processor, mo
         assert torch.equal(ref["pixel_values"], sample.pixel_values)
         assert torch.equal(ref["image_grid_thw"], sample.image_grid_thw)
         assert ref["mm_token_type_ids"][0].tolist() == [int(t == processor.image_token_id) for t in sample.input_ids]
-
-
-def test_padded_logprobs_equal_per_sample_and_plain_hf_forwards(processor, model):
-    samples = build_vlm_sft_samples(_records(), processor)
-    pad, image = processor.pad_token_id, processor.image_token_id
-    seen = []
-    hook = vision_tower(model).register_forward_hook(lambda m, args, out: seen.append(args[0].detach().clone()))
-    with torch.no_grad():
-        together = token_logprobs(model, collate_vlm(samples, pad, image))
-        assert len(seen) == 1 and torch.equal(seen[0], torch.cat([s.pixel_values for s in samples]))
-        for row, s in enumerate(samples):
-            alone = token_logprobs(model, collate_vlm([s], pad, image))[0]
-            n = len(s)
-            assert torch.allclose(together[row, :n], alone, atol=1e-5, rtol=0)
-            assert torch.all(together[row, n:] == 0)
-            ids = torch.tensor([s.input_ids])  # plain HF call, no attention mask, log-softmax by hand
-            logits = model(input_ids=ids, pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw,
-                           mm_token_type_ids=(ids == image).int(), use_cache=False).logits[0].float()
-            ref = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-            assert torch.allclose(alone[1:], ref, atol=1e-5, rtol=0) and alone[0] == 0
-    hook.remove()
-    # the pixels matter: other pixels change the tokens after the image, never those before it
-    s = samples[0]
-    first = s.input_ids.index(image)
-    other = collate_vlm([s], pad, image)
-    other["pixel_values"] = other["pixel_values"].flip(0)
-    with torch.no_grad():
-        a, b = token_logprobs(model, collate_vlm([s], pad, image))[0], token_logprobs(model, other)[0]
-    assert torch.equal(a[: first + 1], b[: first + 1])
-    assert (a[first + 1:] - b[first + 1:]).abs().max() > 1e-4
-
-
-def _prompts(processor):
-    recs = [{"prompt": "What colour?", "images": [shape_image("red", size=(56, 56))]},
-            {"prompt": "Hi there, say something long"},
-            {"prompt": "<image> and <image>: which is blue?",
-             "images": [shape_image("blue", size=(28, 56), seed=1), shape_image("green", "circle", (42, 42), seed=2)]}]
-    return [vlm_prompt(r, processor, record_ref(r, i), input_key="prompt")[1:] for i, r in enumerate(recs)]
-
-
-def test_engine_generates_with_the_pixels_the_trainer_sees(processor, model):
-    engine = HFEngine.from_model(model, processor)
-    ids, vision = map(list, zip(*_prompts(processor)))
-    # tokens by hand (multiples of 32 per side, merge 2): 56x56 -> 64x64: 4; 28x56 -> 32x64: 2; 42x42 -> 32x32: 1
-    assert [v.num_tokens if v else 0 for v in vision] == [4, 0, 3]
-    assert [sum(t == processor.image_token_id for t in p) for p in ids] == [4, 0, 3]
-    params = [SamplingParams(10, temperature=1.0, seed=s) for s in range(3)]
-    outs = asyncio.run(engine.generate(ids, params, vision=vision))
-    assert all(len(o.token_ids) == 10 for o in outs)
-    assert not set(processor.placeholder_token_ids) & {t for o in outs for t in o.token_ids}
-    batch = collate_padded([{"input_ids": p + o.token_ids, "loss_mask": [0] * len(p) + [1] * len(o.token_ids)}
-                            for p, o in zip(ids, outs)], processor.pad_token_id)
-    batch.update(vision_batch(batch["input_ids"], vision, processor.image_token_id))
-    with torch.no_grad():
-        lp = token_logprobs(model, batch)
-    for b, (p, o) in enumerate(zip(ids, outs)):
-        got = lp[b, len(p): len(p) + len(o.token_ids)]
-        assert torch.allclose(got, torch.tensor(o.logprobs), atol=1e-5, rtol=0), b
-    solo = asyncio.run(engine.generate([ids[2]], [params[2]], vision=[vision[2]]))[0]
-    assert solo.token_ids == outs[2].token_ids  # independent of the batch
-    other = vision[0]
-    swapped = type(other)(other.pixel_values.flip(0), other.image_grid_thw, None, other.merge_size)
-    greedy = SamplingParams(6, temperature=0.0)
-    a = asyncio.run(engine.generate([ids[0]], [greedy], vision=[other]))[0]
-    b = asyncio.run(engine.generate([ids[0]], [greedy], vision=[swapped]))[0]
-    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) > 1e-4
 
 
 def _tower_keys(weights):

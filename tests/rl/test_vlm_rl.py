@@ -68,15 +68,26 @@ def _prompts(processor):
     return [vlm_prompt(r, processor, record_ref(r, i), input_key="prompt")[1:] for i, r in enumerate(recs)]
 
 
-def test_engine_generates_with_the_pixels_the_trainer_sees(vlm_dir, processor):
+#: image tokens per prompt of _prompts, by hand. Qwen2-VL (patch 14, merge 2, min_pixels 28*28):
+#: 56x56 -> 4, 28x56 + 42x42 -> 2 + 4. Qwen3-VL (patch 16: sides to multiples of 32): 56x56 -> 64x64: 4,
+#: 28x56 -> 32x64: 2, 42x42 -> 32x32: 1
+IMAGE_TOKENS = {"qwen2_vl": [4, 0, 6], "qwen3_vl": [4, 0, 3]}
+
+
+@pytest.mark.parametrize("arch", list(IMAGE_TOKENS))
+def test_engine_generates_with_the_pixels_the_trainer_sees(vlm_dir, tmp_path, arch):
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(str(vlm_dir)).eval()
+    from rlhforge.models.tiny_vlm import build_tiny_vlm
+    from rlhforge.models.vlm import load_processor
+
+    path = vlm_dir if arch == "qwen2_vl" else build_tiny_vlm(tmp_path / arch, arch=arch, seed=0)
+    processor = load_processor(str(path))
+    model = AutoModelForImageTextToText.from_pretrained(str(path)).eval()
     engine = HFEngine.from_model(model, processor)
     ids, vision = map(list, zip(*_prompts(processor)))
-    # image tokens expanded to the feature count: 56x56 -> 4, 28x56 -> 2, 42x42 -> 4 (min_pixels 28*28, merge 2)
-    assert [v.num_tokens if v else 0 for v in vision] == [4, 0, 6]
-    assert [sum(t == processor.image_token_id for t in p) for p in ids] == [4, 0, 6]
+    assert [v.num_tokens if v else 0 for v in vision] == IMAGE_TOKENS[arch]  # expanded to the feature count
+    assert [sum(t == processor.image_token_id for t in p) for p in ids] == IMAGE_TOKENS[arch]
     params = [SamplingParams(10, temperature=1.0, seed=s) for s in range(3)]
     outs = asyncio.run(engine.generate(ids, params, vision=vision))
     assert all(len(o.token_ids) == 10 for o in outs)
