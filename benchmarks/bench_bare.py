@@ -6,9 +6,9 @@
 Plain PyTorch + transformers on the same model folder, data and shapes as the frameworks, with the
 data tokenised once up front (outside the timed steps):
 
-- ``sft``: packed forward/backward + AdamW step. The micro-batch is cut into rows of at most the
-  longest sample (first-fit decreasing, position ids restarting per sample, pads as one-token
-  samples), the layout that costs no more than padding on sdpa;
+- ``sft``: packed forward/backward + AdamW step. The micro-batch is one row without padding
+  (position ids restarting per sample) and attention runs sample by sample (causal SDPA per
+  sample, :mod:`rlhforge.models.segment_attention`);
 - ``dpo``: chosen + rejected packed the same way, one policy forward/backward, one reference
   forward without gradients, the sigmoid DPO loss (beta 0.1), AdamW step;
 - ``grpo``: a minimal KV-cached sampling loop (``DynamicCache``, one batched multinomial per
@@ -76,50 +76,25 @@ def _chat(tok, prompt: str, answer: str | None, max_len: int) -> tuple[list[int]
     return list(full)[:max_len], len(p)
 
 
-def _rows(seqs: list[list[int]]):
-    """Pack sequences into rows of at most the longest one (first-fit decreasing).
+def _packed_token_logps(model, seqs: list[list[int]]):
+    """log p(token t | < t) of every token of every sequence, concatenated [N] (0 at each first token).
 
-    Returns (input_ids [R, L], position_ids [R, L], index [N] of each packed token in the
-    flattened rows, in the order of ``seqs``)."""
+    The sequences go into one row with no padding; each attends only to itself through the per-sample
+    causal SDPA of :mod:`rlhforge.models.segment_attention` (the kernel rlhforge uses on CPU)."""
     import torch
+
+    from rlhforge.models.segment_attention import segment_attention, segment_kwargs
 
     lens = [len(s) for s in seqs]
-    width = max(lens)
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(seqs)), key=lambda i: (-lens[i], i)):
-        for r, free in enumerate(room):
-            if free >= lens[i]:
-                rows[r].append(i)
-                room[r] -= lens[i]
-                break
-        else:
-            rows.append([i])
-            room.append(width - lens[i])
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    pos = torch.zeros(len(rows), width, dtype=torch.long)
-    start = [0] * len(seqs)
-    for r, members in enumerate(rows):
-        at = 0
-        for i in sorted(members):
-            ids[r, at : at + lens[i]] = torch.tensor(seqs[i])
-            pos[r, at : at + lens[i]] = torch.arange(lens[i])
-            start[i] = r * width + at
-            at += lens[i]
-    index = torch.cat([torch.arange(start[i], start[i] + lens[i]) for i in range(len(seqs))])
-    return ids, pos, index
-
-
-def _packed_token_logps(model, seqs: list[list[int]]):
-    """log p(token t | < t) of every token of every sequence, concatenated [N] (0 at each first token)."""
-    import torch
-
-    ids, pos, index = _rows(seqs)
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], 1).reshape(-1)[index]
-    first = torch.zeros(len(index), dtype=torch.bool)
-    first[torch.tensor([0] + [len(s) for s in seqs[:-1]]).cumsum(0)] = True
+    ids = torch.tensor([t for s in seqs for t in s])[None]
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    kwargs = {"input_ids": ids, "position_ids": pos, "use_cache": False, **segment_kwargs(lens, ids.device)}
+    with segment_attention(model, kwargs):
+        logits = model(**kwargs).logits
+    logp = torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    logp = torch.cat([torch.zeros_like(logp[:1]), logp])
+    first = torch.zeros(len(logp), dtype=torch.bool)
+    first[torch.tensor([0] + lens[:-1]).cumsum(0)] = True
     return logp.masked_fill(first, 0.0)
 
 

@@ -19,7 +19,10 @@ block-diagonal mask costs N^2; over rows of length L it costs N * L, so a packed
 costs more than the padded one (at most as many rows as samples, none longer than the longest
 sample). The padding inside a row gets position id 0 on every token: each pad is a one-token sample
 of its own and no real token sees it. ``flash_attention_2``/``3`` keep the single row (varlen
-attention is already per sample).
+attention is already per sample), and so does CPU sdpa where
+:func:`rlhforge.models.segment_attention.segments_apply` (plain causal layers, no gradient
+checkpointing): there the attention runs sample by sample inside the row
+(:mod:`rlhforge.models.segment_attention`), so no token is padding at all.
 
 How attention stays inside each packed sample:
 
@@ -173,12 +176,18 @@ def packed_model_inputs(
     *,
     block_mask: Literal["auto", "explicit"] = "auto",
     row_tokens: int | None = None,
+    segments: bool = False,
 ) -> tuple[dict[str, Any], PackedRows | None]:
     """The keyword arguments for ``model(**kwargs)`` on a packed batch, and the row layout used.
 
     With a :class:`PackedRows` back, the model's per-token outputs are ``[R, L, ...]``: map them
-    to the packed ``[1, N, ...]`` layout with ``rows.to_packed``. With None (flash attention, or
-    one row is enough), they are already ``[1, N, ...]``.
+    to the packed ``[1, N, ...]`` layout with ``rows.to_packed``. With None (flash attention, one
+    row is enough, or sample-by-sample attention), they are already ``[1, N, ...]``.
+
+    ``segments=True`` (and no ``row_tokens``): on CPU sdpa the one row is kept and the kwargs carry
+    the sample boundaries; the call must then run inside
+    :func:`rlhforge.models.segment_attention.segment_attention` (else it attends with transformers'
+    block-diagonal mask: the same result, N^2 cost).
     """
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
     kwargs: dict[str, Any] = {"use_cache": False}  # a cache would disable packed-sequence masking
@@ -190,6 +199,13 @@ def packed_model_inputs(
             "support; use sdpa, eager or flash_attention_2, or a padded batch"
         )
     rows = None
+    if segments and not explicit and row_tokens is None and impl == "sdpa":
+        from rlhforge.models.segment_attention import segment_kwargs, segments_apply
+
+        if segments_apply(model, input_ids):
+            kwargs.update(segment_kwargs(_packed_lengths(batch), input_ids.device),
+                          input_ids=input_ids, position_ids=position_ids)
+            return kwargs, None
     if not explicit and impl in ("flash_attention_2", "flash_attention_3"):
         if batch.get("cu_seqlens") is not None:
             # hand the varlen kernel the boundaries directly (else transformers derives them from position_ids)
@@ -231,6 +247,7 @@ def token_logprobs(
     return_logits: bool = False,
     row_tokens: int | None = None,
     return_aux_loss: bool = False,
+    packed_layout: Literal["auto", "rows"] = "auto",
 ) -> Tensor | tuple[Tensor, ...]:
     """Per-token log-probs ``[B, T]`` (fp32) of ``batch["input_ids"]`` under ``model``.
 
@@ -252,6 +269,9 @@ def token_logprobs(
         row_tokens: packed batches on sdpa/eager only: compute in rows of at most
             ``max(longest sample, row_tokens)`` tokens (:func:`packed_rows`; None: the longest
             sample, which never costs more than padding). The result does not depend on it.
+        packed_layout: packed batches: ``"auto"`` attends sample by sample in the one packed row
+            where :func:`rlhforge.models.segment_attention.segments_apply` (CPU sdpa, plain causal
+            layers, no ``row_tokens``), else the bounded rows; ``"rows"`` always the rows.
 
     Returns:
         ``logprobs`` [B, T] with 0 at the first token of each sample and at padding; with
@@ -264,7 +284,8 @@ def token_logprobs(
 
         kwargs = vlm_model_inputs(model, batch)
     elif is_packed(batch):
-        kwargs, rows = packed_model_inputs(model, batch, block_mask=block_mask, row_tokens=row_tokens)
+        kwargs, rows = packed_model_inputs(model, batch, block_mask=block_mask, row_tokens=row_tokens,
+                                           segments=packed_layout == "auto")
     else:
         attention_mask = batch["attention_mask"]
         position_ids = batch.get("position_ids")
@@ -272,7 +293,9 @@ def token_logprobs(
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "use_cache": False}
-    with _routing_replay(model, batch, rows):
+    from rlhforge.models.segment_attention import segment_attention
+
+    with _routing_replay(model, batch, rows), segment_attention(model, kwargs):
         if return_aux_loss:
             kwargs["output_router_logits"] = True
         outputs = model(**kwargs)

@@ -58,7 +58,8 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int],
                  batch_size: int = 64, record_routing: bool = False, image_token_id: int | None = None,
-                 banned_token_ids: Sequence[int] = (), kv_cache: str = "preallocated", native_gqa: bool = True):
+                 banned_token_ids: Sequence[int] = (), kv_cache: str = "preallocated", native_gqa: bool = True,
+                 shared_prefill: bool = True, padding_mask_4d: bool = True):
         if kv_cache not in ("preallocated", "dynamic"):
             raise ValueError(f"kv_cache must be 'preallocated' or 'dynamic', got {kv_cache!r}")
         self.model = model.eval()
@@ -83,6 +84,12 @@ class HFEngine:
         (same outputs as ``dynamic``, transformers' DynamicCache, without its per-step concatenation)."""
         self.native_gqa = native_gqa
         """Decoding steps on CPU use SDPA's own grouped-query attention (no ``repeat_kv`` copy)."""
+        self.padding_mask_4d = padding_mask_4d and _padding_mask_is_enough(model)
+        """Decoding steps get the padding mask as SDPA's ``[B, 1, 1, L]`` directly (plain causal sdpa
+        models: a one-token query's causal mask is the padding mask), not rebuilt by transformers."""
+        self.shared_prefill = shared_prefill
+        """Requests with the same prompt in one batch (a GRPO group) share one prefill; its KV cache is
+        copied to each of them before the first token is sampled (same outputs, a fraction of the work)."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64, record_routing: bool = False,
@@ -194,11 +201,22 @@ class HFEngine:
         step_ids = ids
         route = _RouteLog(self.model, len(rows), width, steps) if self.record_routing else None
         banned = self.banned if len(self.banned) else None
+        # the prefill runs each distinct prompt once (a GRPO group's samples share it) and its cache is copied
+        firsts, copies = ((None, None) if pixels or route or not self.shared_prefill
+                          else _shared_prompts([prompts[i] for i in rows], dev))
         for t in range(steps):
+            step_attn, step_pos = attn, position
+            if t > 0 and self.padding_mask_4d:
+                step_attn = attn.bool()[:, None, None, :]
+            if t == 0 and firsts is not None:
+                step_ids, step_attn, step_pos = ids[firsts], attn[firsts], position[firsts]
             with self._lock, self._attention(), (route.recorder if route else contextlib.nullcontext()):
-                logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=position,
+                logits = self.model(input_ids=step_ids, attention_mask=step_attn, position_ids=step_pos,
                                     past_key_values=cache, use_cache=True, logits_to_keep=1,  # prefill: last only
                                     **pixels).logits[:, -1, :].float()
+            if t == 0 and firsts is not None:
+                logits = logits[copies]
+                cache.batch_select_indices(copies)
             pixels = {}
             if route is not None:
                 route.add(t, alive)
@@ -257,6 +275,27 @@ class HFEngine:
         inputs = vision_batch(ids, visions, self.image_token_id)
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         return inputs, mrope_positions(self.model, ids, attn, inputs)
+
+
+def _shared_prompts(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the first row of each distinct prompt, the distinct prompt of every row), or (None, None) if all differ."""
+    first: dict[tuple[int, ...], int] = {}
+    of_row = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    if len(first) == len(prompts):
+        return None, None
+    firsts = [0] * len(first)
+    for r in range(len(prompts) - 1, -1, -1):
+        firsts[of_row[r]] = r
+    return (torch.tensor(firsts, dtype=torch.long, device=device),
+            torch.tensor(of_row, dtype=torch.long, device=device))
+
+
+def _padding_mask_is_enough(model) -> bool:
+    """Whether the decoding steps of ``model`` can take the padding mask as a 4-D boolean mask."""
+    from rlhforge.models.segment_attention import plain_causal
+
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "_attn_implementation_internal", None) == "sdpa" and plain_causal(config)
 
 
 def _attention_only(model) -> bool:

@@ -47,18 +47,25 @@ def test_row_layout():
     assert packed_rows(batch, row_tokens=sum(LENGTHS)) is None  # one row is enough: no layout
 
 
-def test_bounded_rows_equal_padded_logprobs_logits_and_gradients(model):
+@pytest.mark.parametrize("layout", ["auto", "rows"])
+def test_bounded_rows_equal_padded_logprobs_logits_and_gradients(model, layout):
+    """"rows": the bounded rows; "auto": on sdpa, attention sample by sample in the one row (eager: rows)."""
     samples = _samples(model.config.vocab_size)
     padded, packed = collate_padded(samples, pad_id=0), collate_packed(samples)
     assert packed_rows(packed).input_ids.shape[0] > 1
+    seen = []  # the token layout the layers compute on
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
     results = []
     for batch in (padded, packed):
         model.zero_grad()
-        lp, logits = token_logprobs(model, batch, 0.8, return_logits=True)
+        lp, logits = token_logprobs(model, batch, 0.8, return_logits=True, packed_layout=layout)
         loss = -(lp * batch["loss_mask"]).sum() + 1e-3 * (logits.float() ** 2).mean()
         loss.backward()
         results.append((lp.detach(), logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     model.zero_grad()
+    hook.remove()
+    one_row = layout == "auto" and model.config._attn_implementation == "sdpa"
+    assert seen[1] == ((1, sum(LENGTHS)) if one_row else tuple(packed_rows(packed).input_ids.shape))
     (lp_pad, logits_pad, g_pad), (lp_pack, logits_pack, g_pack) = results
     assert lp_pack.shape == (1, sum(LENGTHS)) and logits_pack.shape == (1, sum(LENGTHS), model.config.vocab_size)
     at = 0
@@ -69,7 +76,7 @@ def test_bounded_rows_equal_padded_logprobs_logits_and_gradients(model):
     # the loss above weights the logits term by each layout's own mean: compare the log-prob part only
     for batch in (padded, packed):
         model.zero_grad()
-        (-(token_logprobs(model, batch, 0.8) * batch["loss_mask"]).sum()).backward()
+        (-(token_logprobs(model, batch, 0.8, packed_layout=layout) * batch["loss_mask"]).sum()).backward()
         results.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad()
     torch.testing.assert_close(results[3], results[2], atol=1e-5, rtol=1e-4)
@@ -82,7 +89,8 @@ def test_row_budget_does_not_change_results(model):
         one_row = token_logprobs(model, batch, row_tokens=sum(LENGTHS))
         wider = token_logprobs(model, batch, row_tokens=33)
         explicit = token_logprobs(model, batch, block_mask="explicit")
-    for other in (one_row, wider, explicit):
+        rows = token_logprobs(model, batch, packed_layout="rows")
+    for other in (one_row, wider, explicit, rows):
         torch.testing.assert_close(bounded, other, atol=1e-5, rtol=0)
 
 
@@ -93,3 +101,35 @@ def test_layout_from_position_resets_alone(model):
     assert torch.equal(packed_rows(bare).index, packed_rows(batch).index)
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(model, bare), token_logprobs(model, batch), atol=0, rtol=0)
+
+
+def test_segment_attention_applies_only_where_it_is_exact(tiny_model_dir, tmp_path):
+    """Sample-by-sample attention: CPU sdpa with plain causal layers only; a sliding window, eager or
+    gradient checkpointing keep the rows (a recomputed layer would not attend sample by sample)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhforge.models.segment_attention import segments_apply
+    from rlhforge.models.tiny import build_tiny_model
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    assert segments_apply(sdpa, ids) and not segments_apply(eager, ids)
+    gemma = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "g", arch="gemma3_text"),
+                                                 dtype=torch.float32, attn_implementation="sdpa")
+    assert not segments_apply(gemma, ids)  # sliding-window layers: their window lives in the mask
+    sdpa.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert not segments_apply(sdpa, ids)
+    sdpa.gradient_checkpointing_disable()
+    assert segments_apply(sdpa, ids)
+
+
+def test_segment_attention_leaves_the_model_as_it_was(model):
+    """After the forward the model attends as before (sdpa/eager), and the samples never see each other."""
+    before = model.config._attn_implementation
+    batch = collate_packed(_samples(model.config.vocab_size))
+    with torch.no_grad():
+        together = token_logprobs(model, batch)
+        first = token_logprobs(model, collate_packed(_samples(model.config.vocab_size)[:1]))
+    assert model.config._attn_implementation == before
+    torch.testing.assert_close(together[0, : LENGTHS[0]], first[0], atol=1e-5, rtol=0)

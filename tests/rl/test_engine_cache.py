@@ -62,7 +62,8 @@ def test_a_layer_grows_past_its_capacity_and_follows_a_replaced_tensor():
 def _same_outputs(model, prompts, params, vision=None, **engine_kw):
     """Generate with the engine's defaults and with DynamicCache + transformers' SDPA over the same weights;
     assert bit-identical tokens, log-probs, finish reasons and routing records; return the defaults' outputs."""
-    baseline = HFEngine(model, kv_cache="dynamic", native_gqa=False, **engine_kw)
+    baseline = HFEngine(model, kv_cache="dynamic", native_gqa=False, shared_prefill=False, padding_mask_4d=False,
+                        **engine_kw)
     fast = HFEngine(model, **engine_kw)
     assert fast.kv_cache == "preallocated" and fast.native_gqa
     outs = {name: asyncio.run(e.generate(prompts, params, vision=vision)) for name, e in
@@ -115,6 +116,28 @@ def test_same_tokens_and_logprobs_as_dynamic_cache(arch, kv_heads, tmp_path, cou
     assert [len(o.token_ids) for o in outs] == [p.max_new_tokens for p in params]  # the eos id is never sampled
     assert count_compactions  # rows finished early and left the batch
     assert count_compactions[0] < len(prompts)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_shared_prompt_is_prefilled_once_with_the_same_outputs(arch, tmp_path):
+    """GRPO groups: 3 prompts x 4 samples (plus one prompt alone) prefill 4 rows, then decode 13; tokens and
+    log-probs equal the baseline's (each row prefilled on its own, transformers' mask each step)."""
+    path = build_tiny_model(tmp_path / arch, TinyModelSpec(num_key_value_heads=2), seed=0, arch=arch)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    distinct = _prompts(4, len(tok), seed=3)
+    prompts = [p for p in distinct[:3] for _ in range(4)] + distinct[3:]
+    rows_fed = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows_fed.append(i[0].shape[0]))
+    fast = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=[len(tok) + 7])
+    assert fast.padding_mask_4d and fast.shared_prefill
+    asyncio.run(fast.generate(prompts, _mixed_params(len(prompts))))
+    hook.remove()
+    assert rows_fed[:2] == [4, 13]
+    params = _mixed_params(len(prompts))
+    outs = _same_outputs(model, prompts, params, pad_token_id=tok.pad_token_id, eos_token_id=[len(tok) + 7])
+    alone = fast.generate_sync([prompts[1]], [params[1]])[0]  # a copy decodes as its request would alone
+    assert alone.token_ids == outs[1].token_ids and alone.logprobs == pytest.approx(outs[1].logprobs, abs=1e-5)
 
 
 def test_sliding_window_layers_mask_the_same(tmp_path):

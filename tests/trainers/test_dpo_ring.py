@@ -88,7 +88,13 @@ def test_dpo_ring_lora_precomputed_reference_matches_one(tiny_model_dir, tmp_pat
     assert a[0]["train/loss"] == pytest.approx(0.6931472, abs=1e-6)  # policy == reference at step 1: log 2
     assert abs(a[1]["train/reward_margin"]) > 0.1  # the adapter has moved the policy away from the reference
     for ra, rb in zip(a, b):
-        for key in ("train/loss", "train/acc", "train/reward_margin", "train/chosen_logp", "train/grad_norm"):
+        # step 1: policy == reference, every margin is float noise around 0 and its sign (train/acc) is noise
+        keys = ["train/loss", "train/reward_margin", "train/chosen_logp", "train/grad_norm"]
+        if ra["step"] > 1:
+            keys.append("train/acc")
+        else:
+            assert abs(ra["train/reward_margin"]) < 1e-5 and abs(rb["train/reward_margin"]) < 1e-5
+        for key in keys:
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
     assert b[-1]["eval/loss"] == pytest.approx(a[-1]["eval/loss"], rel=1e-4)
     w1, w2 = (load_file(d / "adapter_model.safetensors") for d in (single, ring))

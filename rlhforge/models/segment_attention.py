@@ -1,0 +1,111 @@
+"""Attention of a packed row, sample by sample, on CPU: no padding, no N x N mask.
+
+A packed micro-batch is one row of N tokens holding several samples. On sdpa (every CPU run)
+transformers attends it with a dense block-diagonal mask (N^2 work and memory), and
+:func:`rlhforge.models.forward.packed_rows` avoids that by cutting the row into rows of the longest
+sample's length - which pads every row to the longest. :func:`segment_attention` removes that padding
+too: for the duration of one forward the model's attention is :func:`_segment_sdpa`, which runs
+``scaled_dot_product_attention(..., is_causal=True)`` once per sample (``cu_seq_lens_q``, the same
+boundaries transformers hands flash-attention's varlen kernel) and concatenates the results. The
+linear layers see exactly the real tokens and attention costs the sum of the samples' squares.
+
+It applies (:func:`segments_apply`) to a packed batch on CPU with sdpa attention, plain causal layers
+(no sliding window, no soft-capping) and no gradient checkpointing (a recomputed layer would run
+outside this forward's attention). Elsewhere the bounded rows are used, and on GPU flash-attention's
+varlen kernel does the same job. Inside the block, a call without ``cu_seq_lens_q`` is sdpa unchanged
+(its masks are sdpa's whenever an ``attention_mask`` is given).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Mapping
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+__all__ = ["NAME", "segment_attention", "segments_apply", "segment_kwargs", "plain_causal"]
+
+NAME = "rlhforge_segment_sdpa"
+"""The attention implementation's registered name."""
+
+
+def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  is_causal: bool | None = None, **kwargs):
+    """Causal SDPA within each sample of a one-row packed batch (``cu_seq_lens_q``); else plain sdpa."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or attention_mask is not None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    bounds = cu.tolist()
+    gqa = query.shape[1] != key.shape[1]
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling,
+        enable_gqa=gqa) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _mask(*args, **kwargs):
+    """No mask for a packed call (no ``attention_mask``: the samples are cut by ``cu_seq_lens_q``); sdpa's otherwise."""
+    if kwargs.get("attention_mask") is None:
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+
+
+AttentionInterface.register(NAME, _segment_sdpa)
+AttentionMaskInterface.register(NAME, _mask)
+
+
+def _text_config(model):
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def segments_apply(model, input_ids: torch.Tensor) -> bool:
+    """Whether a packed forward of ``model`` on ``input_ids`` can attend sample by sample (module docstring)."""
+    config = _text_config(model)
+    if config is None or input_ids.device.type != "cpu":
+        return False
+    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
+        return False
+    if getattr(model, "is_gradient_checkpointing", False):
+        return False
+    return plain_causal(config)
+
+
+def plain_causal(config) -> bool:
+    """Whether every layer of a (text) config attends causally to all earlier tokens and nothing else
+    shapes its mask or scores (no sliding window, chunked attention or soft-capping)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False
+    return not any(getattr(config, k, None) for k in ("attn_logit_softcapping", "attention_chunk_size"))
+
+
+def segment_kwargs(lengths: list[int], device: torch.device) -> dict[str, Any]:
+    """The sample boundaries as the model's forward takes them (flash-attention's varlen names)."""
+    cu = torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+    longest = max(lengths)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+@contextlib.contextmanager
+def segment_attention(model, kwargs: Mapping[str, Any]):
+    """Within the block, ``model`` attends with :func:`_segment_sdpa` if ``kwargs`` carry sample boundaries."""
+    config = _text_config(model)
+    if "cu_seq_lens_q" not in kwargs or config is None:
+        yield
+        return
+    before = config._attn_implementation_internal
+    config._attn_implementation_internal = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = before
