@@ -135,7 +135,8 @@ class ActorWorker(TrainableWorker):
             from rlhforge.backend.context_parallel import ring_token_logprobs
 
             return ring_token_logprobs(self.model, batch, self.ring, temperature, return_logits=return_logits)
-        return token_logprobs(self.model, batch, temperature, return_logits=return_logits, **kwargs)
+        return token_logprobs(self.model, batch, temperature, return_logits=return_logits, share_prefixes=True,
+                              **kwargs)
 
     # -- inference --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -339,7 +340,8 @@ class RefWorker:
                 chunk = [samples[i] for i in idx]
                 batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
                                                      image_token_id=self.image_token_id), self.device)
-                for i, row in zip(idx, per_sample(token_logprobs(model, batch, temperature), batch, chunk)):
+                logps = token_logprobs(model, batch, temperature, share_prefixes=True)
+                for i, row in zip(idx, per_sample(logps, batch, chunk)):
                     out[i] = row
         return out
 

@@ -248,6 +248,7 @@ def token_logprobs(
     row_tokens: int | None = None,
     return_aux_loss: bool = False,
     packed_layout: Literal["auto", "rows"] = "auto",
+    share_prefixes: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """Per-token log-probs ``[B, T]`` (fp32) of ``batch["input_ids"]`` under ``model``.
 
@@ -272,17 +273,22 @@ def token_logprobs(
         packed_layout: packed batches: ``"auto"`` attends sample by sample in the one packed row
             where :func:`rlhforge.models.segment_attention.segments_apply` (CPU sdpa, plain causal
             layers, no ``row_tokens``), else the bounded rows; ``"rows"`` always the rows.
+        share_prefixes: compute a prefix shared by several samples (a GRPO group's prompt) once
+            (:mod:`rlhforge.models.shared_prefix`) where the sample-by-sample attention applies and the
+            batch has no images, routing records or aux loss; the results are those of the batch as is.
 
     Returns:
         ``logprobs`` [B, T] with 0 at the first token of each sample and at padding; with
         ``return_logits``, ``(logprobs, logits)``. Differentiable.
     """
     input_ids = batch["input_ids"]
-    rows = None
+    rows = layout = None
     if batch.get("pixel_values") is not None:  # a VLM batch: padded, positions from the model (M-RoPE)
         from rlhforge.models.vlm import vlm_model_inputs
 
         kwargs = vlm_model_inputs(model, batch)
+    elif share_prefixes and (shared := _shared_prefix_inputs(model, batch, return_aux_loss)) is not None:
+        kwargs, layout = shared
     elif is_packed(batch):
         kwargs, rows = packed_model_inputs(model, batch, block_mask=block_mask, row_tokens=row_tokens,
                                            segments=packed_layout == "auto")
@@ -300,6 +306,8 @@ def token_logprobs(
             kwargs["output_router_logits"] = True
         outputs = model(**kwargs)
         logits = outputs.logits
+    if layout is not None:  # back to the batch's own positions
+        logits, kwargs["input_ids"] = layout.to_batch(logits, input_ids.shape), input_ids
     ids = kwargs["input_ids"]
     # logits[:, t] predicts ids[:, t + 1]
     shifted = _logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature)
@@ -317,6 +325,20 @@ def token_logprobs(
         aux = load_balancing_loss(outputs.router_logits, num_experts, top_k, mask)
         return (logprobs, logits, aux) if return_logits else (logprobs, aux)
     return (logprobs, logits) if return_logits else logprobs
+
+
+def _shared_prefix_inputs(model, batch: Mapping[str, Any], aux: bool):
+    """(model kwargs, layout) of the batch with its shared prefixes once, or None where that does not apply."""
+    from rlhforge.models.segment_attention import segments_apply
+    from rlhforge.models.shared_prefix import SPANS_KEY, shared_prefix_layout
+
+    if aux or batch.get("routed_experts") is not None or not segments_apply(model, batch["input_ids"]):
+        return None
+    layout = shared_prefix_layout(batch)
+    if layout is None:
+        return None
+    return {"input_ids": layout.input_ids, "position_ids": layout.position_ids, "use_cache": False,
+            SPANS_KEY: layout.spans}, layout
 
 
 def _routing_replay(model, batch: Mapping[str, Any], rows: PackedRows | None):

@@ -28,6 +28,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 __all__ = ["NAME", "segment_attention", "segments_apply", "segment_kwargs", "plain_causal"]
 
+SPANS_KEY = "rlhforge_attention_spans"
+"""The forward keyword of a shared-prefix layout's spans (:class:`rlhforge.models.shared_prefix.SharedPrefixLayout`)."""
+
 NAME = "rlhforge_segment_sdpa"
 """The attention implementation's registered name."""
 
@@ -35,7 +38,11 @@ NAME = "rlhforge_segment_sdpa"
 def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   is_causal: bool | None = None, **kwargs):
-    """Causal SDPA within each sample of a one-row packed batch (``cu_seq_lens_q``); else plain sdpa."""
+    """Causal SDPA within each sample of a one-row packed batch (``cu_seq_lens_q``), or over the spans of a
+    shared-prefix layout (:mod:`rlhforge.models.shared_prefix`); else plain sdpa."""
+    spans = kwargs.get(SPANS_KEY)
+    if spans is not None and attention_mask is None and query.shape[0] == 1:
+        return _spans_sdpa(query, key, value, spans, dropout, scaling), None
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or attention_mask is not None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -46,6 +53,23 @@ def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling,
         enable_gqa=gqa) for a, b in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _spans_sdpa(query, key, value, spans, dropout: float, scaling: float | None) -> torch.Tensor:
+    """Each span's queries attend to its prefix (all of it) and causally to the span itself."""
+    gqa = query.shape[1] != key.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    outs = []
+    for start, end, p_start, p_end, mask in spans:
+        q = query[:, :, start:end]
+        if p_start == p_end:
+            outs.append(sdpa(q, key[:, :, start:end], value[:, :, start:end], dropout_p=dropout, is_causal=True,
+                             scale=scaling, enable_gqa=gqa))
+            continue
+        k = torch.cat([key[:, :, p_start:p_end], key[:, :, start:end]], dim=2)
+        v = torch.cat([value[:, :, p_start:p_end], value[:, :, start:end]], dim=2)
+        outs.append(sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 def _mask(*args, **kwargs):
@@ -100,7 +124,7 @@ def segment_kwargs(lengths: list[int], device: torch.device) -> dict[str, Any]:
 def segment_attention(model, kwargs: Mapping[str, Any]):
     """Within the block, ``model`` attends with :func:`_segment_sdpa` if ``kwargs`` carry sample boundaries."""
     config = _text_config(model)
-    if "cu_seq_lens_q" not in kwargs or config is None:
+    if ("cu_seq_lens_q" not in kwargs and SPANS_KEY not in kwargs) or config is None:
         yield
         return
     before = config._attn_implementation_internal
