@@ -34,11 +34,12 @@ Micro-batching: :func:`split_into_micro_batches` cuts a list of indices into fix
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["collate_padded", "collate_packed", "token_budget_batches", "split_into_micro_batches"]
+__all__ = ["collate_padded", "collate_packed", "token_budget_batches", "split_into_micro_batches",
+           "packed_lengths"]
 
 
 def _field(sample: Any, name: str) -> Sequence[int]:
@@ -98,6 +99,21 @@ def collate_packed(samples: Sequence[Any]) -> dict[str, Any]:
         "max_seqlen": max(seq_lens),
         "seq_lens": seq_lens,
     }
+
+
+def packed_lengths(batch: Mapping[str, Any]) -> list[int]:
+    """The sample lengths of a one-row packed batch (``seq_lens``, else ``cu_seqlens``, else the position resets:
+    a sample starts wherever a position id does not continue the previous one)."""
+    if batch.get("seq_lens") is not None:
+        return [int(n) for n in batch["seq_lens"]]
+    if batch.get("cu_seqlens") is not None:
+        cu = batch["cu_seqlens"].tolist()
+        return [b - a for a, b in zip(cu[:-1], cu[1:])]
+    pos = batch["position_ids"][0]
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    at = starts.nonzero()[:, 0].tolist()
+    return [b - a for a, b in zip(at, at[1:] + [pos.shape[-1]])]
 
 
 def split_into_micro_batches(indices: Sequence[int], micro_batch_size: int) -> list[list[int]]:

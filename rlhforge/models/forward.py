@@ -106,14 +106,9 @@ def packed_causal_mask(position_ids: Tensor, dtype: torch.dtype = torch.float32)
 
 
 def _packed_lengths(batch: Mapping[str, Any]) -> list[int]:
-    """The sample lengths of a one-row packed batch (``seq_lens``, else ``cu_seqlens``, else the resets)."""
-    if batch.get("seq_lens") is not None:
-        return [int(n) for n in batch["seq_lens"]]
-    if batch.get("cu_seqlens") is not None:
-        cu = batch["cu_seqlens"].tolist()
-        return [b - a for a, b in zip(cu[:-1], cu[1:])]
-    starts = _sample_starts(batch["position_ids"][:1])[0].nonzero()[:, 0].tolist()
-    return [b - a for a, b in zip(starts, starts[1:] + [batch["position_ids"].shape[-1]])]
+    from rlhforge.data.packing import packed_lengths
+
+    return packed_lengths(batch)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from rlhforge.data.packing import packed_lengths
 from rlhforge.models.segment_attention import SPANS_KEY
 
 __all__ = ["SharedPrefixLayout", "prefix_groups", "shared_prefix_layout", "SPANS_KEY", "MIN_PREFIX"]
@@ -86,9 +87,7 @@ def _rows(batch: Mapping[str, Any]) -> tuple[list[list[int]], list[Tensor]] | No
     ids = batch["input_ids"]
     width = ids.shape[1]
     if batch.get("attention_mask") is None:  # packed: one row, positions restarting at 0
-        from rlhforge.models.forward import _packed_lengths
-
-        lengths, flat, seqs, at = _packed_lengths(batch), [], [], 0
+        lengths, flat, seqs, at = packed_lengths(batch), [], [], 0
         row = ids[0].tolist()
         for n in lengths:
             seqs.append(row[at: at + n])
