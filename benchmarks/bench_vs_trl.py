@@ -306,13 +306,19 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP/torch threads of every run (1 by default: steadier on a shared machine)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/vs_trl.json)")
+    parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/vs_trl.json; "
+                        "--sweep and --merge: vs_trl_sweep.json, plot vs_trl_scaling.png)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="combine the points of earlier runs (e.g. a sweep run one work at a time) into --out "
+                        "and plot them; runs nothing")
     parser.add_argument("--child", choices=("trl", "bare"), help=argparse.SUPPRESS)
     for name in ("--point", "--model", "--data", "--result", "--child-dir"):
         parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child_main(args)
+    if args.merge:
+        return merge_main(args.merge, Path(args.out or HERE / "results" / "vs_trl_sweep.json"))
     steps = args.steps or (2 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     rounds = args.rounds or (1 if args.quick else 2)
@@ -323,7 +329,8 @@ def main(argv=None) -> int:
         shape = json.loads(args.shape)
         grid = {w: [shape] for w, points in grid.items() if set(points[0]) == set(shape)}
         args.work = [w for w in args.work if w in grid]
-    out = Path(args.out or HERE / "results" / ("vs_trl_quick.json" if args.quick else "vs_trl.json"))
+    out = Path(args.out or HERE / "results" / ("vs_trl_quick.json" if args.quick else
+                                               "vs_trl_sweep.json" if args.sweep else "vs_trl.json"))
     try:
         import trl
 
@@ -362,7 +369,28 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
-    png = out.with_name(out.stem + "_scaling.png")
+    png = plot_path(out)
+    if plot(results, png):
+        print(f"wrote {png}")
+    print(f"wrote {out}")
+    return 0
+
+
+def plot_path(out: Path) -> Path:
+    """``vs_trl_sweep.json`` -> ``vs_trl_scaling.png``; any other ``X.json`` -> ``X_scaling.png``."""
+    stem = "vs_trl" if out.stem == "vs_trl_sweep" else out.stem
+    return out.with_name(stem + "_scaling.png")
+
+
+def merge_main(paths: list[str], out: Path) -> int:
+    """One results file (and plot) from several runs' files: setups listed, points in the order given."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    results = {"setup": {"merged_from": [{"file": Path(p).name, **part["setup"]} for p, part in zip(paths, parts)]},
+               "points": [point for part in parts for point in part["points"]]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print_table(results)
+    png = plot_path(out)
     if plot(results, png):
         print(f"wrote {png}")
     print(f"wrote {out}")
