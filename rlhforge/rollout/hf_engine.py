@@ -59,7 +59,7 @@ class HFEngine:
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int],
                  batch_size: int = 64, record_routing: bool = False, image_token_id: int | None = None,
                  banned_token_ids: Sequence[int] = (), kv_cache: str = "preallocated", native_gqa: bool = True,
-                 shared_prefill: bool = True, padding_mask_4d: bool = True):
+                 shared_prefill: bool = True, padding_mask_4d: bool = True, fast_decode: bool = True):
         if kv_cache not in ("preallocated", "dynamic"):
             raise ValueError(f"kv_cache must be 'preallocated' or 'dynamic', got {kv_cache!r}")
         self.model = model.eval()
@@ -87,6 +87,9 @@ class HFEngine:
         self.padding_mask_4d = padding_mask_4d and _padding_mask_is_enough(model)
         """Decoding steps get the padding mask as SDPA's ``[B, 1, 1, L]`` directly (plain causal sdpa
         models: a one-token query's causal mask is the padding mask), not rebuilt by transformers."""
+        self.fast_decode = fast_decode and self.padding_mask_4d and self.kv_cache == "preallocated"
+        """Decoding steps of plain decoder LMs skip transformers' forward machinery
+        (:class:`rlhforge.rollout.fast_decode.FastDecoder`: the model's own submodules, bit-identical logits)."""
         self.shared_prefill = shared_prefill
         """Requests with the same prompt in one batch (a GRPO group) share one prefill; its KV cache is
         copied to each of them before the first token is sampled (same outputs, a fraction of the work)."""
@@ -204,16 +207,25 @@ class HFEngine:
         # the prefill runs each distinct prompt once (a GRPO group's samples share it) and its cache is copied
         firsts, copies = ((None, None) if pixels or route or not self.shared_prefill
                           else _shared_prompts([prompts[i] for i in rows], dev))
+        fast = None
+        if self.fast_decode and not pixels and route is None:
+            from rlhforge.rollout.fast_decode import FastDecoder
+
+            fast = FastDecoder.build(self.model)  # per batch: it holds the current parameter tensors
         for t in range(steps):
             step_attn, step_pos = attn, position
             if t > 0 and self.padding_mask_4d:
                 step_attn = attn.bool()[:, None, None, :]
             if t == 0 and firsts is not None:
                 step_ids, step_attn, step_pos = ids[firsts], attn[firsts], position[firsts]
-            with self._lock, self._attention(), (route.recorder if route else contextlib.nullcontext()):
-                logits = self.model(input_ids=step_ids, attention_mask=step_attn, position_ids=step_pos,
-                                    past_key_values=cache, use_cache=True, logits_to_keep=1,  # prefill: last only
-                                    **pixels).logits[:, -1, :].float()
+            if t > 0 and fast is not None:
+                with self._lock:
+                    logits = fast.step(step_ids, step_pos, step_attn, cache).float()
+            else:
+                with self._lock, self._attention(), (route.recorder if route else contextlib.nullcontext()):
+                    logits = self.model(input_ids=step_ids, attention_mask=step_attn, position_ids=step_pos,
+                                        past_key_values=cache, use_cache=True, logits_to_keep=1,  # prefill: last only
+                                        **pixels).logits[:, -1, :].float()
             if t == 0 and firsts is not None:
                 logits = logits[copies]
                 cache.batch_select_indices(copies)

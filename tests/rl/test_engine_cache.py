@@ -63,7 +63,7 @@ def _same_outputs(model, prompts, params, vision=None, **engine_kw):
     """Generate with the engine's defaults and with DynamicCache + transformers' SDPA over the same weights;
     assert bit-identical tokens, log-probs, finish reasons and routing records; return the defaults' outputs."""
     baseline = HFEngine(model, kv_cache="dynamic", native_gqa=False, shared_prefill=False, padding_mask_4d=False,
-                        **engine_kw)
+                        fast_decode=False, **engine_kw)
     fast = HFEngine(model, **engine_kw)
     assert fast.kv_cache == "preallocated" and fast.native_gqa
     outs = {name: asyncio.run(e.generate(prompts, params, vision=vision)) for name, e in
@@ -105,11 +105,17 @@ def count_compactions(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("qwen3", 2), ("mistral", 2), ("phi3", 4)])
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("qwen3", 2), ("qwen2", 2), ("mistral", 2),
+                                           ("phi3", 4)])
 def test_same_tokens_and_logprobs_as_dynamic_cache(arch, kv_heads, tmp_path, count_compactions):
     # kv_heads 4 of 4 heads: no GQA, the attention reads the buffer's strided views directly
+    from rlhforge.rollout.fast_decode import FastDecoder
+
     path = build_tiny_model(tmp_path / arch, TinyModelSpec(num_key_value_heads=kv_heads), seed=0, arch=arch)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
+    # the lean decoding step: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms); Mistral's window and Phi-3's
+    # fused projections keep transformers' forward
+    assert (FastDecoder.build(model) is not None) == (arch in ("llama", "qwen3", "qwen2"))
     tok = AutoTokenizer.from_pretrained(path)
     prompts, params = _prompts(8, len(tok)), _mixed_params(8)
     outs = _same_outputs(model, prompts, params, pad_token_id=tok.pad_token_id, eos_token_id=[len(tok) + 7])
@@ -130,7 +136,7 @@ def test_a_shared_prompt_is_prefilled_once_with_the_same_outputs(arch, tmp_path)
     rows_fed = []
     hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows_fed.append(i[0].shape[0]))
     fast = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=[len(tok) + 7])
-    assert fast.padding_mask_4d and fast.shared_prefill
+    assert fast.padding_mask_4d and fast.shared_prefill and fast.fast_decode
     asyncio.run(fast.generate(prompts, _mixed_params(len(prompts))))
     hook.remove()
     assert rows_fed[:2] == [4, 13]

@@ -1,0 +1,119 @@
+"""The HF engine's decoding step without transformers' per-forward machinery, for plain decoder LMs.
+
+A decoding step of a small model on CPU spends more time in the Python around the kernels than in
+them: transformers' forward builds the masks, recomputes the rotary tables, walks its output-capture
+and kwargs plumbing and dispatches every module through hooks, for one token per row.
+:class:`FastDecoder` runs the same step as direct calls of the model's own submodules - embedding,
+each layer's norms, projections, the model family's own ``apply_rotary_pos_emb``, the cache's
+``update``, SDPA with native grouped-query attention over the padding mask, the MLP, the final norm and
+``lm_head`` - in transformers' order, so the logits are bit-identical to the model's forward.
+
+It applies (:meth:`FastDecoder.build` returns None otherwise) to decoder-only causal LMs whose layers
+are ``self_attn`` (``q/k/v/o_proj``, optional ``q_norm``/``k_norm``) + ``mlp`` with
+``input_layernorm``/``post_attention_layernorm``, with plain causal attention
+(:func:`rlhforge.models.segment_attention.plain_causal`), sdpa, no MoE routing records and no images:
+Llama, Qwen2, Qwen3, Mistral without a window, Phi-3 is not (fused projections) and keeps the forward.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+__all__ = ["FastDecoder"]
+
+_FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+
+
+class FastDecoder:
+    def __init__(self, model, rope_fn):
+        inner = model.model
+        self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
+        self.norm, self.lm_head = self._rms_norm(inner.norm), self._linear(model.lm_head)
+        self.rope_fn = rope_fn
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            plain_mlp = type(mlp).__name__ in _MLPS and hasattr(mlp, "act_fn")
+            self.layers.append(dict(
+                norm1=self._rms_norm(layer.input_layernorm), norm2=self._rms_norm(layer.post_attention_layernorm),
+                q=self._linear(attn.q_proj), k=self._linear(attn.k_proj), v=self._linear(attn.v_proj),
+                o=self._linear(attn.o_proj), head_dim=attn.head_dim, scaling=attn.scaling,
+                q_norm=self._rms_norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
+                k_norm=self._rms_norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
+                mlp=mlp if not plain_mlp else None, act=getattr(mlp, "act_fn", None),
+                gate=self._linear(mlp.gate_proj) if plain_mlp else None,
+                up=self._linear(mlp.up_proj) if plain_mlp else None,
+                down=self._linear(mlp.down_proj) if plain_mlp else None))
+
+    @classmethod
+    def build(cls, model) -> "FastDecoder | None":
+        from rlhforge.models.segment_attention import plain_causal
+
+        if type(model).__name__ not in _FAMILIES or model.training:
+            return None
+        config = model.config
+        if getattr(config, "_attn_implementation_internal", None) != "sdpa" or not plain_causal(config):
+            return None
+        inner = getattr(model, "model", None)
+        if inner is None or not all(hasattr(inner, k) for k in ("embed_tokens", "norm", "rotary_emb", "layers")):
+            return None
+        for layer in inner.layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is None or not all(hasattr(attn, k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                return None
+            if not all(hasattr(layer, k) for k in ("mlp", "input_layernorm", "post_attention_layernorm")):
+                return None
+        if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+            return None
+        rope_fn = getattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb", None)
+        if rope_fn is None:
+            return None
+        return cls(model, rope_fn)
+
+    @staticmethod
+    def _linear(mod):
+        """A plain ``nn.Linear`` as its kernel call (no module dispatch); anything else (LoRA, quantised) as is."""
+        if type(mod) is torch.nn.Linear:
+            w, bias = mod.weight, mod.bias
+            return lambda x: torch._C._nn.linear(x, w, bias)
+        return mod
+
+    @staticmethod
+    def _rms_norm(mod):
+        """transformers' RMSNorm (Llama's and its copies) inline, the same ops in the same order; else the module."""
+        if type(mod).__name__ not in _RMS_NORMS or not hasattr(mod, "variance_epsilon"):
+            return mod
+        weight, eps = mod.weight, mod.variance_epsilon
+
+        def norm(x):
+            dtype = x.dtype
+            x32 = x.to(torch.float32)
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+            return weight * x32.to(dtype)
+        return norm
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """Logits [B, V] of one decoding step: ``input_ids`` [B, 1], ``position_ids`` [B, 1], ``mask`` the
+        padding mask as SDPA's boolean [B, 1, 1, L] (L: the cache's length after this step)."""
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(h, position_ids)
+        b = input_ids.shape[0]
+        for i, p in enumerate(self.layers):
+            x = p["norm1"](h)
+            shape = (b, 1, -1, p["head_dim"])
+            q, k, v = p["q"](x).view(shape), p["k"](x).view(shape), p["v"](x).view(shape)
+            if p["q_norm"] is not None:
+                q, k = p["q_norm"](q), p["k_norm"](k)
+            q, k = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            k, v = cache.update(k, v.transpose(1, 2), i)
+            out = sdpa(q, k, v, attn_mask=mask, scale=p["scaling"], enable_gqa=q.shape[1] != k.shape[1])
+            h = h + p["o"](out.transpose(1, 2).reshape(b, 1, -1).contiguous())
+            x = p["norm2"](h)
+            h = h + (p["mlp"](x) if p["mlp"] is not None else p["down"](p["act"](p["gate"](x)) * p["up"](x)))
+        return self.lm_head(self.norm(h)[:, -1:, :])[:, -1, :]
