@@ -13,7 +13,8 @@ are the sums over their members, as in the original.
 
 Groups are found from the tokens alone (:func:`prefix_groups`: sorted samples, longest common prefix
 with a group's first member), so nothing has to say which samples share a prompt; a prefix shorter than
-``min_prefix`` tokens is not worth a group. CPU sdpa only (the same conditions as the packed rows'
+``min_prefix`` tokens, or one saving under :data:`MIN_SAVED` of the group's tokens (a DPO pair's short
+prompt before long answers), is not worth a group. CPU sdpa only (the same conditions as the packed rows'
 sample-by-sample attention, :func:`rlhforge.models.segment_attention.segments_apply`).
 """
 
@@ -33,6 +34,9 @@ __all__ = ["SharedPrefixLayout", "prefix_groups", "shared_prefix_layout", "SPANS
 
 MIN_PREFIX = 8
 """Shorter common prefixes are not shared (the saving would not pay for the extra attention calls)."""
+
+MIN_SAVED = 0.2
+"""A group is shared only if its prefix, computed once, saves at least this share of the group's tokens."""
 
 
 @dataclass
@@ -82,6 +86,18 @@ def prefix_groups(seqs: Sequence[Sequence[int]], min_prefix: int = MIN_PREFIX) -
     return groups
 
 
+def _worth_sharing(groups: list[tuple[int, list[int]]], seqs) -> list[tuple[int, list[int]]]:
+    """Groups whose prefix saves under :data:`MIN_SAVED` of their tokens become singletons: their members
+    would attend through an explicit mask (every block computed) instead of the causal kernel's half."""
+    out: list[tuple[int, list[int]]] = []
+    for shared, members in groups:
+        if shared and shared * (len(members) - 1) >= MIN_SAVED * sum(len(seqs[m]) for m in members):
+            out.append((shared, members))
+        else:
+            out.extend((0, [m]) for m in members)
+    return out
+
+
 def _rows(batch: Mapping[str, Any]) -> tuple[list[list[int]], list[Tensor]] | None:
     """Each sample's tokens and their flat positions in the batch, or None if the layout is not plain."""
     ids = batch["input_ids"]
@@ -115,7 +131,7 @@ def shared_prefix_layout(batch: Mapping[str, Any], min_prefix: int = MIN_PREFIX)
     if found is None:
         return None
     seqs, flat = found
-    groups = prefix_groups(seqs, min_prefix)
+    groups = _worth_sharing(prefix_groups(seqs, min_prefix), seqs)
     if all(shared == 0 for shared, _ in groups):
         return None
     device = batch["input_ids"].device
