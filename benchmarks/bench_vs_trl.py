@@ -9,7 +9,8 @@ Every side trains the same locally built model folder (Llama, hidden 256, 4 laye
 head_dim 32) on the same data with the same batch shapes, on CPU, each run in a fresh process:
 
 - ``trl``: TRL's ``SFTTrainer`` / ``DPOTrainer`` / ``GRPOTrainer`` (HF generation, ``use_vllm=False``),
-  step ends from a ``TrainerCallback.on_step_end``;
+  step ends from a ``TrainerCallback.on_step_end``; gradient checkpointing off as on the other sides
+  (TRL's configs default to on: ``--trl-gradient-checkpointing`` keeps that);
 - ``rlhforge``: the real CLI (``python -m rlhforge.cli.train_sft`` / ``train_dpo`` /
   ``train_ppo_ray``), step ends from the ``time`` of each ``metrics.jsonl`` record; SFT and DPO
   packed (``--ds.packing_samples``), GRPO padded; ``rlhforge_packed`` is GRPO packed, and
@@ -73,7 +74,8 @@ def label(point: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------ TRL side
-def run_trl(work: str, model_dir: str, data: str | None, point: dict, steps: int, out_dir: str) -> dict:
+def run_trl(work: str, model_dir: str, data: str | None, point: dict, steps: int, out_dir: str,
+            gradient_checkpointing: bool = False) -> dict:
     import datasets
     import torch
     import trl
@@ -88,7 +90,9 @@ def run_trl(work: str, model_dir: str, data: str | None, point: dict, steps: int
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     common = dict(output_dir=out_dir, learning_rate=LR, max_steps=steps, logging_steps=1, save_strategy="no",
-                  report_to=[], use_cpu=True, bf16=False, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+                  report_to=[], use_cpu=True, bf16=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                  # TRL's configs turn gradient checkpointing on by default; rlhforge's is off: the same work is off
+                  gradient_checkpointing=gradient_checkpointing)
     extra: dict = {}
     if work == "sft":
         rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
@@ -178,7 +182,7 @@ def rlhforge_result(out_dir: str, work: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ one run
 def run_side(side: str, work: str, model_dir: str, data: str | None, point: dict, steps: int, tmp: Path,
-             threads: int, timeout: float) -> dict:
+             threads: int, timeout: float, trl_checkpointing: bool = False) -> dict:
     """One side in its own process: step-end times, time to first step, peak RSS of that process."""
     run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{side}_{work}_"))
     env = {**os.environ, "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
@@ -189,6 +193,8 @@ def run_side(side: str, work: str, model_dir: str, data: str | None, point: dict
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--work", work, "--point",
                json.dumps(point), "--model", model_dir, "--steps", str(steps), "--threads", str(threads),
                "--result", str(run_dir / "result.json"), "--child-dir", str(run_dir)]
+        if trl_checkpointing and side == "trl":
+            cmd.append("--trl-gradient-checkpointing")
         if data:
             cmd += ["--data", data]
     log = open(run_dir / "log.txt", "w")
@@ -281,7 +287,8 @@ def child_main(args) -> int:
         torch.set_num_threads(args.threads)
     point = json.loads(args.point)
     if args.child == "trl":
-        res = run_trl(args.work[0], args.model, args.data, point, args.steps, args.child_dir)
+        res = run_trl(args.work[0], args.model, args.data, point, args.steps, args.child_dir,
+                      gradient_checkpointing=args.trl_gradient_checkpointing)
     else:
         res = run_bare(args.work[0], args.model, args.data, point, args.steps, lr=LR)
     Path(args.result).write_text(json.dumps(res))
@@ -311,6 +318,9 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="combine the points of earlier runs (e.g. a sweep run one work at a time) into --out "
                         "and plot them; runs nothing")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true",
+                        help="run TRL with its own default (gradient checkpointing on: less memory, ~30%% more "
+                        "compute); by default it is off, as rlhforge's and the bare loop's")
     parser.add_argument("--child", choices=("trl", "bare"), help=argparse.SUPPRESS)
     for name in ("--point", "--model", "--data", "--result", "--child-dir"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -340,7 +350,8 @@ def main(argv=None) -> int:
         print("trl is not installed (pip install -e '.[bench]'): running rlhforge and bare only")
     results = {"setup": {"model": "Llama hidden 256, 4 layers, 8 heads (4 kv), vocab ~1000", "device": "cpu",
                          "threads": args.threads, "cpus": os.cpu_count(), "steps_timed": steps, "warmup": warmup,
-                         "rounds": rounds, "trl": trl_version, "lr": LR, "quick": args.quick}, "points": []}
+                         "rounds": rounds, "trl": trl_version, "lr": LR, "quick": args.quick,
+                         "trl_gradient_checkpointing": args.trl_gradient_checkpointing}, "points": []}
     total = steps + warmup
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -359,7 +370,7 @@ def main(argv=None) -> int:
                     for side in sides if r % 2 == 0 else sides[::-1]:
                         print(f"[{work} {label(point)}] round {r + 1}/{rounds}: {side}", flush=True)
                         runs[side].append(run_side(side, work, model_dir, data, point, total, tmp, args.threads,
-                                                   args.timeout))
+                                                   args.timeout, args.trl_gradient_checkpointing))
                 results["points"].append({"work": work, "point": point,
                                           "sides": {s: summarise(v, warmup) for s, v in runs.items()}})
     try:
