@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from rlhforge.backend.device import dist_info, resolve_device, resolve_dtype, single_process_env
+from rlhforge.backend.device import destroy_group_at_exit, dist_info, resolve_device, resolve_dtype, single_process_env
 from rlhforge.backend.optim import build_optimizer, build_scheduler, optimizer_param_groups
 from rlhforge.backend.guards import all_ranks_finite, grads_finite, poison_nonfinite
 from rlhforge.backend.strategy import all_reduce_tensor
@@ -99,6 +99,7 @@ class DeepSpeedStrategy:
             single_process_env()
         drop_stale_deepspeed_groups()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        destroy_group_at_exit()
         self.engine = None
 
     @property

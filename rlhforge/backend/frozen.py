@@ -30,7 +30,8 @@ from typing import Any, Iterator
 
 import torch
 
-from rlhforge.backend.device import dist_info, init_process_group, resolve_dtype, single_process_env
+from rlhforge.backend.device import (destroy_group_at_exit, dist_info, init_process_group, resolve_dtype,
+                                     single_process_env)
 
 __all__ = ["FrozenModel", "frozen_deepspeed_config"]
 
@@ -106,6 +107,7 @@ class FrozenModel:
             if dist_info().world_size == 1:
                 single_process_env()
             deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+            destroy_group_at_exit()
         config = frozen_deepspeed_config(ds_cfg, self.dtype, offload=offload)
         if offload and config["zero_optimization"]["stage"] == 3:
             self.mode = "deepspeed_offload_param"

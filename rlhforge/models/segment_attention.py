@@ -50,25 +50,39 @@ def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     bounds = cu.tolist()
     gqa = query.shape[1] != key.shape[1]
     outs = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling,
-        enable_gqa=gqa) for a, b in zip(bounds[:-1], bounds[1:])]
+        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+        for q, k, v in zip(*(_pieces(x, bounds) for x in (query, key, value)))]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _pieces(x: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:
+    """``x[:, :, a:b]`` for consecutive ``bounds`` as one ``split``: its backward is one concatenation,
+    where a slice per piece would each add a zero-filled gradient of the whole row (quadratic in the
+    number of pieces)."""
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != x.shape[2]:  # not a cover of the row: the pieces by slicing
+        return tuple(x[:, :, a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+    return x.split(sizes, dim=2)
 
 
 def _spans_sdpa(query, key, value, spans, dropout: float, scaling: float | None) -> torch.Tensor:
     """Each span's queries attend to its prefix (all of it) and causally to the span itself."""
     gqa = query.shape[1] != key.shape[1]
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    # the layout's spans tile the row in order and every prefix is a span of its own: one split serves all
+    bounds = [span[0] for span in spans] + [spans[-1][1]]
+    if any(span[1] != nxt for span, nxt in zip(spans, bounds[1:])):
+        raise ValueError("attention spans must tile the row in order")
+    qs, ks, vs = (_pieces(x, bounds) for x in (query, key, value))
+    prefix_piece = {span[0]: i for i, span in enumerate(spans) if span[1] > span[0]}  # (a member may be empty)
     outs = []
-    for start, end, p_start, p_end, mask in spans:
-        q = query[:, :, start:end]
+    for i, (start, end, p_start, p_end, mask) in enumerate(spans):
         if p_start == p_end:
-            outs.append(sdpa(q, key[:, :, start:end], value[:, :, start:end], dropout_p=dropout, is_causal=True,
-                             scale=scaling, enable_gqa=gqa))
+            outs.append(sdpa(qs[i], ks[i], vs[i], dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa))
             continue
-        k = torch.cat([key[:, :, p_start:p_end], key[:, :, start:end]], dim=2)
-        v = torch.cat([value[:, :, p_start:p_end], value[:, :, start:end]], dim=2)
-        outs.append(sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+        j = prefix_piece[p_start]  # the prefix's own span
+        k, v = torch.cat([ks[j], ks[i]], dim=2), torch.cat([vs[j], vs[i]], dim=2)
+        outs.append(sdpa(qs[i], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 

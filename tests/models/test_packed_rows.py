@@ -133,3 +133,21 @@ def test_segment_attention_leaves_the_model_as_it_was(model):
         first = token_logprobs(model, collate_packed(_samples(model.config.vocab_size)[:1]))
     assert model.config._attn_implementation == before
     torch.testing.assert_close(together[0, : LENGTHS[0]], first[0], atol=1e-5, rtol=0)
+
+
+def test_pieces_are_one_split_with_the_slices_values():
+    """Per-sample attention cuts q/k/v with one ``split`` (one backward node for all pieces; a slice per
+    sample would add a zero-filled gradient of the whole row per sample), equal to the slices; bounds that
+    do not cover the row fall back to the slices."""
+    from rlhforge.models.segment_attention import _pieces
+
+    x = torch.randn(1, 2, 10, 3, requires_grad=True)
+    cover = _pieces(x, [0, 4, 4, 9, 10])
+    assert [p.shape[2] for p in cover] == [4, 0, 5, 1]
+    assert {type(p.grad_fn).__name__ for p in cover} == {"SplitWithSizesBackward0"}
+    for p, (a, b) in zip(cover, [(0, 4), (4, 4), (4, 9), (9, 10)]):
+        assert torch.equal(p, x[:, :, a:b])
+    sum(p.sum() * (k + 1) for k, p in enumerate(cover)).backward()
+    assert x.grad[0, 0, :, 0].tolist() == [1.0] * 4 + [3.0] * 5 + [4.0]
+    part = _pieces(x, [2, 5, 7])
+    assert [torch.equal(p, x[:, :, a:b]) for p, (a, b) in zip(part, [(2, 5), (5, 7)])] == [True, True]
