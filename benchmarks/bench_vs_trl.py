@@ -316,8 +316,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/vs_trl.json; "
                         "--sweep and --merge: vs_trl_sweep.json, plot vs_trl_scaling.png)")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
-                        help="combine the points of earlier runs (e.g. a sweep run one work at a time) into --out "
-                        "and plot them; runs nothing")
+                        help="combine the points of earlier runs (e.g. a sweep run one work at a time, or a rerun of "
+                        "some sides: a later file's side replaces an earlier one's) into --out and plot them; runs "
+                        "nothing")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="run TRL with its own default (gradient checkpointing on: less memory, ~30%% more "
                         "compute); by default it is off, as rlhforge's and the bare loop's")
@@ -394,10 +395,26 @@ def plot_path(out: Path) -> Path:
 
 
 def merge_main(paths: list[str], out: Path) -> int:
-    """One results file (and plot) from several runs' files: setups listed, points in the order given."""
-    parts = [json.loads(Path(p).read_text()) for p in paths]
-    results = {"setup": {"merged_from": [{"file": Path(p).name, **part["setup"]} for p, part in zip(paths, parts)]},
-               "points": [point for part in parts for point in part["points"]]}
+    """One results file (and plot) from several runs' files, points in the order first seen.
+
+    The sides of one point (same work and shape) found in several files are combined, a later file's side
+    replacing an earlier one's (so a rerun of some sides updates just those); every side records the file
+    it came from (``from``), and ``setup.merged_from`` lists each file's setup (flattened when a file is
+    itself a merge)."""
+    setups: list[dict] = []
+    points: dict[str, dict] = {}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        setup = part["setup"]
+        own = setup["merged_from"] if "merged_from" in setup else [{"file": Path(path).name, **setup}]
+        setups += own
+        source = own[0]["file"] if len(own) == 1 else Path(path).name  # what a side without "from" came from
+        for entry in part["points"]:
+            key = json.dumps([entry["work"], entry["point"]], sort_keys=True)
+            merged = points.setdefault(key, {"work": entry["work"], "point": entry["point"], "sides": {}})
+            for side, r in entry["sides"].items():
+                merged["sides"][side] = {**r, "from": r.get("from", source)}
+    results = {"setup": {"merged_from": setups}, "points": list(points.values())}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
