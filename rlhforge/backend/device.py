@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import random
 from dataclasses import dataclass
@@ -58,22 +60,16 @@ def init_process_group(device: torch.device, force: bool = False) -> None:
     info = dist_info()
     if (info.world_size > 1 or force) and not dist.is_initialized():
         dist.init_process_group(backend=process_group_backend(device))
-    destroy_group_at_exit()
+        destroy_group_at_exit()
 
 
-_EXIT_HOOK: list[bool] = []
-
-
+@functools.cache
 def destroy_group_at_exit() -> None:
     """Destroy the default process group at exit, before the interpreter tears down (once per process;
     call after any ``init_process_group`` / ``deepspeed.init_distributed``). A gloo group left to the C++
     static destructors can abort a rank after a finished run ("terminate called without an active
     exception", SIGABRT), which torchrun reports as a failed job."""
-    if not _EXIT_HOOK:
-        import atexit
-
-        atexit.register(_destroy_process_group)
-        _EXIT_HOOK.append(True)
+    atexit.register(_destroy_process_group)
 
 
 def _destroy_process_group() -> None:

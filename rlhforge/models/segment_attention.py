@@ -58,11 +58,10 @@ def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 def _pieces(x: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:
     """``x[:, :, a:b]`` for consecutive ``bounds`` as one ``split``: its backward is one concatenation,
     where a slice per piece would each add a zero-filled gradient of the whole row (quadratic in the
-    number of pieces)."""
-    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if bounds[0] != 0 or bounds[-1] != x.shape[2]:  # not a cover of the row: the pieces by slicing
-        return tuple(x[:, :, a:b] for a, b in zip(bounds[:-1], bounds[1:]))
-    return x.split(sizes, dim=2)
+    number of pieces). The bounds cover the row (0 to its length)."""
+    if bounds[0] != 0 or bounds[-1] != x.shape[2]:
+        raise ValueError(f"attention pieces {bounds[0]}..{bounds[-1]} must cover the row of {x.shape[2]} tokens")
+    return x.split([b - a for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
 
 
 def _spans_sdpa(query, key, value, spans, dropout: float, scaling: float | None) -> torch.Tensor:

@@ -138,7 +138,7 @@ def test_segment_attention_leaves_the_model_as_it_was(model):
 def test_pieces_are_one_split_with_the_slices_values():
     """Per-sample attention cuts q/k/v with one ``split`` (one backward node for all pieces; a slice per
     sample would add a zero-filled gradient of the whole row per sample), equal to the slices; bounds that
-    do not cover the row fall back to the slices."""
+    do not cover the row are an error, not a shorter output."""
     from rlhforge.models.segment_attention import _pieces
 
     x = torch.randn(1, 2, 10, 3, requires_grad=True)
@@ -149,5 +149,5 @@ def test_pieces_are_one_split_with_the_slices_values():
         assert torch.equal(p, x[:, :, a:b])
     sum(p.sum() * (k + 1) for k, p in enumerate(cover)).backward()
     assert x.grad[0, 0, :, 0].tolist() == [1.0] * 4 + [3.0] * 5 + [4.0]
-    part = _pieces(x, [2, 5, 7])
-    assert [torch.equal(p, x[:, :, a:b]) for p, (a, b) in zip(part, [(2, 5), (5, 7)])] == [True, True]
+    with pytest.raises(ValueError, match="must cover the row of 10 tokens"):
+        _pieces(x, [2, 5, 7])
