@@ -106,8 +106,13 @@ def _targets(seqs: list[list[int]], prompt_lens: list[int]):
 
 # ---------------------------------------------------------------------------------------------- the loops
 def run_bare(work: str, model_dir: str, data: str | None, point: dict, steps: int, lr: float = 1e-5,
-             seed: int = 0) -> dict:
-    """Run ``steps`` optimizer steps of ``work`` and return step-end timestamps (``time.time()``)."""
+             seed: int = 0, precision: str = "fp32") -> dict:
+    """Run ``steps`` optimizer steps of ``work`` and return step-end timestamps (``time.time()``).
+
+    ``precision="bf16"``: fp32 weights, the training (and reference) forwards under bf16 autocast, as
+    rlhforge's ``--ds.param_dtype bf16`` and TRL's ``bf16=True`` on CPU; generation stays fp32."""
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,6 +123,13 @@ def run_bare(work: str, model_dir: str, data: str | None, point: dict, steps: in
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     marks: list[float] = []
     extra: dict = {}
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"unknown precision {precision!r} (fp32, bf16)")
+
+    def amp():
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=torch.bfloat16)
 
     def step(loss):
         opt.zero_grad(set_to_none=True)
@@ -134,7 +146,9 @@ def run_bare(work: str, model_dir: str, data: str | None, point: dict, steps: in
             chunk = enc[s * batch : (s + 1) * batch]
             seqs, plens = [c[0] for c in chunk], [c[1] for c in chunk]
             mask = _targets(seqs, plens)
-            step(-(_packed_token_logps(model, seqs) * mask).sum() / mask.sum())
+            with amp():
+                logp = _packed_token_logps(model, seqs)
+            step(-(logp * mask).sum() / mask.sum())
     elif work == "dpo":
         import copy
 
@@ -154,19 +168,20 @@ def run_bare(work: str, model_dir: str, data: str | None, point: dict, steps: in
             def sums(lp):
                 return torch.zeros(len(seqs)).index_add(0, seg, lp * mask)
 
-            pol = sums(_packed_token_logps(model, seqs))
-            with torch.no_grad():
-                refs = sums(_packed_token_logps(ref, seqs))
+            with amp():
+                pol = sums(_packed_token_logps(model, seqs))
+                with torch.no_grad():
+                    refs = sums(_packed_token_logps(ref, seqs))
             margin = (pol[0::2] - refs[0::2]) - (pol[1::2] - refs[1::2])
             step(-torch.nn.functional.logsigmoid(0.1 * margin).mean())
     elif work == "grpo":
-        extra = _grpo(model, tok, point, steps, step)
+        extra = _grpo(model, tok, point, steps, step, amp)
     else:
         raise ValueError(f"unknown work {work!r} (sft, dpo, grpo)")
     return {"step_end_times": marks, "peak_rss_gb": peak_rss_gb(), **extra}
 
 
-def _grpo(model, tok, point: dict, steps: int, step) -> dict:
+def _grpo(model, tok, point: dict, steps: int, step, amp) -> dict:
     import torch
     from transformers import DynamicCache
 
@@ -214,8 +229,10 @@ def _grpo(model, tok, point: dict, steps: int, step) -> dict:
         adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).view(-1)
         full = torch.cat([ids, comp], 1)
         full_attn = torch.cat([attn, comp_mask.long()], 1)
-        logits = model(input_ids=full, attention_mask=full_attn, position_ids=(full_attn.cumsum(-1) - 1).clamp(min=0),
-                       use_cache=False).logits[:, width - 1 : -1].float()
+        with amp():
+            logits = model(input_ids=full, attention_mask=full_attn,
+                           position_ids=(full_attn.cumsum(-1) - 1).clamp(min=0), use_cache=False).logits
+        logits = logits[:, width - 1 : -1].float()
         logp = torch.log_softmax(logits / temperature, -1).gather(-1, comp[..., None])[..., 0]
         ratio = torch.exp(logp - logp.detach())  # on-policy: 1, gradient of logp
         per_seq = (ratio * adv[:, None] * comp_mask).sum(1) / comp_mask.sum(1).clamp(min=1)
@@ -236,6 +253,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: forwards under bf16 autocast (fp32 weights), generation fp32")
     parser.add_argument("--result", help="write the JSON result here too")
     args = parser.parse_args(argv)
     import tempfile
@@ -257,10 +276,10 @@ def main(argv=None) -> int:
             data = str(Path(tmp) / "data.jsonl")
             n = args.batch * (args.steps + args.warmup)
             (write_sft if args.work == "sft" else write_dpo)(Path(data), n, args.max_len)
-        out = run_bare(args.work, model, data, point, args.steps + args.warmup)
+        out = run_bare(args.work, model, data, point, args.steps + args.warmup, precision=args.precision)
     marks = out["step_end_times"]
     out["seconds_per_step"] = (marks[-1] - marks[args.warmup - 1]) / args.steps if args.warmup else None
-    line = json.dumps({"work": args.work, "point": point, **out})
+    line = json.dumps({"work": args.work, "point": point, "precision": args.precision, **out})
     if args.result:
         Path(args.result).write_text(line)
     print(line)

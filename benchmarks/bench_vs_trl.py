@@ -75,7 +75,7 @@ def label(point: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ TRL side
 def run_trl(work: str, model_dir: str, data: str | None, point: dict, steps: int, out_dir: str,
-            gradient_checkpointing: bool = False) -> dict:
+            gradient_checkpointing: bool = False, precision: str = "fp32") -> dict:
     import datasets
     import torch
     import trl
@@ -90,7 +90,7 @@ def run_trl(work: str, model_dir: str, data: str | None, point: dict, steps: int
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     common = dict(output_dir=out_dir, learning_rate=LR, max_steps=steps, logging_steps=1, save_strategy="no",
-                  report_to=[], use_cpu=True, bf16=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                  report_to=[], use_cpu=True, bf16=precision == "bf16", seed=0, disable_tqdm=True, dataloader_num_workers=0,
                   # TRL's configs turn gradient checkpointing on by default; rlhforge's is off: the same work is off
                   gradient_checkpointing=gradient_checkpointing)
     extra: dict = {}
@@ -135,8 +135,8 @@ def run_trl(work: str, model_dir: str, data: str | None, point: dict, steps: int
 
 # ------------------------------------------------------------------------------------------ rlhforge side
 def rlhforge_command(side: str, work: str, model_dir: str, data: str | None, point: dict, steps: int,
-                     out_dir: str) -> list[str]:
-    out = ["--ckpt.output_dir", out_dir, "--ckpt.path", f"{out_dir}/ckpt"]
+                     out_dir: str, precision: str = "fp32") -> list[str]:
+    out = ["--ckpt.output_dir", out_dir, "--ckpt.path", f"{out_dir}/ckpt", "--ds.param_dtype", precision]
     if work == "sft":
         return [sys.executable, "-m", "rlhforge.cli.train_sft", "--model.model_name_or_path", model_dir,
                 "--data.dataset", data, "--data.input_key", "prompt", "--data.output_key", "completion",
@@ -182,17 +182,17 @@ def rlhforge_result(out_dir: str, work: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ one run
 def run_side(side: str, work: str, model_dir: str, data: str | None, point: dict, steps: int, tmp: Path,
-             threads: int, timeout: float, trl_checkpointing: bool = False) -> dict:
+             threads: int, timeout: float, trl_checkpointing: bool = False, precision: str = "fp32") -> dict:
     """One side in its own process: step-end times, time to first step, peak RSS of that process."""
     run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{side}_{work}_"))
     env = {**os.environ, "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": str(threads), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     if side.startswith("rlhforge"):
-        cmd = rlhforge_command(side, work, model_dir, data, point, steps, str(run_dir))
+        cmd = rlhforge_command(side, work, model_dir, data, point, steps, str(run_dir), precision)
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--work", work, "--point",
                json.dumps(point), "--model", model_dir, "--steps", str(steps), "--threads", str(threads),
-               "--result", str(run_dir / "result.json"), "--child-dir", str(run_dir)]
+               "--result", str(run_dir / "result.json"), "--child-dir", str(run_dir), "--precision", precision]
         if trl_checkpointing and side == "trl":
             cmd.append("--trl-gradient-checkpointing")
         if data:
@@ -288,9 +288,9 @@ def child_main(args) -> int:
     point = json.loads(args.point)
     if args.child == "trl":
         res = run_trl(args.work[0], args.model, args.data, point, args.steps, args.child_dir,
-                      gradient_checkpointing=args.trl_gradient_checkpointing)
+                      gradient_checkpointing=args.trl_gradient_checkpointing, precision=args.precision)
     else:
-        res = run_bare(args.work[0], args.model, args.data, point, args.steps, lr=LR)
+        res = run_bare(args.work[0], args.model, args.data, point, args.steps, lr=LR, precision=args.precision)
     Path(args.result).write_text(json.dumps(res))
     return 0
 
@@ -322,6 +322,10 @@ def main(argv=None) -> int:
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="run TRL with its own default (gradient checkpointing on: less memory, ~30%% more "
                         "compute); by default it is off, as rlhforge's and the bare loop's")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: every side trains under bf16 autocast with fp32 weights (TRL bf16=True, rlhforge "
+                        "--ds.param_dtype bf16, the bare loop's forwards under torch.autocast); results default to "
+                        "vs_trl_bf16.json / vs_trl_sweep_bf16.json")
     parser.add_argument("--child", choices=("trl", "bare"), help=argparse.SUPPRESS)
     for name in ("--point", "--model", "--data", "--result", "--child-dir"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -340,8 +344,9 @@ def main(argv=None) -> int:
         shape = json.loads(args.shape)
         grid = {w: [shape] for w, points in grid.items() if set(points[0]) == set(shape)}
         args.work = [w for w in args.work if w in grid]
-    out = Path(args.out or HERE / "results" / ("vs_trl_quick.json" if args.quick else
-                                               "vs_trl_sweep.json" if args.sweep else "vs_trl.json"))
+    suffix = "" if args.precision == "fp32" else f"_{args.precision}"
+    out = Path(args.out or HERE / "results" / (("vs_trl_quick" if args.quick else "vs_trl_sweep" if args.sweep
+                                                else "vs_trl") + suffix + ".json"))
     try:
         import trl
 
@@ -352,7 +357,8 @@ def main(argv=None) -> int:
     results = {"setup": {"model": "Llama hidden 256, 4 layers, 8 heads (4 kv), vocab ~1000", "device": "cpu",
                          "threads": args.threads, "cpus": os.cpu_count(), "steps_timed": steps, "warmup": warmup,
                          "rounds": rounds, "trl": trl_version, "lr": LR, "quick": args.quick,
-                         "trl_gradient_checkpointing": args.trl_gradient_checkpointing}, "points": []}
+                         "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
+                         "precision": args.precision}, "points": []}
     total = steps + warmup
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -371,7 +377,7 @@ def main(argv=None) -> int:
                     for side in sides if r % 2 == 0 else sides[::-1]:
                         print(f"[{work} {label(point)}] round {r + 1}/{rounds}: {side}", flush=True)
                         runs[side].append(run_side(side, work, model_dir, data, point, total, tmp, args.threads,
-                                                   args.timeout, args.trl_gradient_checkpointing))
+                                                   args.timeout, args.trl_gradient_checkpointing, args.precision))
                 results["points"].append({"work": work, "point": point,
                                           "sides": {s: summarise(v, warmup) for s, v in runs.items()}})
     try:
@@ -389,8 +395,8 @@ def main(argv=None) -> int:
 
 
 def plot_path(out: Path) -> Path:
-    """``vs_trl_sweep.json`` -> ``vs_trl_scaling.png``; any other ``X.json`` -> ``X_scaling.png``."""
-    stem = "vs_trl" if out.stem == "vs_trl_sweep" else out.stem
+    """``vs_trl_sweep[_bf16].json`` -> ``vs_trl[_bf16]_scaling.png``; any other ``X.json`` -> ``X_scaling.png``."""
+    stem = "vs_trl" + out.stem[len("vs_trl_sweep"):] if out.stem.startswith("vs_trl_sweep") else out.stem
     return out.with_name(stem + "_scaling.png")
 
 

@@ -108,7 +108,7 @@ def build_trainer(cfg: RLConfig):
     from rlhforge.config.rl_rules import uses_ray
     from rlhforge.distributed.workers import ActorWorker, CriticWorker, InProcessGroup, RefWorker
     from rlhforge.tracking.metrics import MetricsLogger
-    from rlhforge.backend.device import dist_info, resolve_device
+    from rlhforge.backend.device import dist_info, resolve_device, resolve_dtype
 
     if dist_info().world_size > 1:
         raise ConfigError("rlhforge rl is a single controller: launch one process (not torchrun/deepspeed); "
@@ -162,6 +162,7 @@ def build_trainer(cfg: RLConfig):
     from rlhforge.agents.loader import build_executor
 
     executor = build_executor(cfg, tokenizer, reward_source)  # single-turn unless --train.agent_func_path
+    engine_dtype = resolve_dtype(cfg.ds.param_dtype, device)  # the HF engine's weights: the run's precision
     if cfg.vllm.num_engines and ray_mode:  # engine actors on their bundles, synced from actor rank 0
         from rlhforge.distributed.engine_actors import build_engine_actors
 
@@ -177,11 +178,11 @@ def build_trainer(cfg: RLConfig):
         # the driver's own copy of the base policy, synced from the actor after each step: a ZeRO-3 / FSDP2
         # module holds only a shard of each weight, and LoRA adapters arrive merged into the base weights
         engine = HFEngine.from_pretrained(cfg.actor.model_name_or_path, tokenizer, device=device,
-                                          batch_size=cfg.rollout.generate_batch_size,
+                                          batch_size=cfg.rollout.generate_batch_size, dtype=engine_dtype,
                                           record_routing=cfg.train.routing_replay)
     else:
         engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size,
-                                     record_routing=cfg.train.routing_replay)
+                                     record_routing=cfg.train.routing_replay, dtype=engine_dtype)
     out = Path(cfg.ckpt.output_dir)
     save_yaml(cfg, out / "config.yaml")
     print(f"[rlhforge] rl: {cfg.algo.advantage.estimator} / {cfg.actor.policy_loss_type}: {len(prompts)} prompts"

@@ -28,7 +28,13 @@ NAME = "rlhforge_cpu_decode_sdpa"
 def _cpu_decode_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, position_bias: torch.Tensor | None = None, **kwargs):
-    """SDPA attention; a decoding step's query on CPU attends to the un-repeated KV heads."""
+    """SDPA attention; a decoding step's query on CPU attends to the un-repeated KV heads. Keys and values
+    of another dtype than the query's (a bf16 model's fp32 KV cache, :class:`rlhforge.rollout.hf_engine.HFEngine`)
+    are attended in theirs, and the output comes back in the query's."""
+    if key.dtype != query.dtype and query.device.type == "cpu":
+        out, weights = _cpu_decode_sdpa(module, query.to(key.dtype), key, value.to(key.dtype), attention_mask,
+                                        dropout, scaling, is_causal, position_bias, **kwargs)
+        return out.to(query.dtype), weights
     groups = getattr(module, "num_key_value_groups", 1)
     if (query.shape[2] == 1 and query.device.type == "cpu" and groups > 1 and dropout == 0.0
             and position_bias is None and not kwargs.get("output_attentions", False) and "cache" not in kwargs):

@@ -112,7 +112,8 @@ class FastDecoder:
                 q, k = p["q_norm"](q), p["k_norm"](k)
             q, k = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             k, v = cache.update(k, v.transpose(1, 2), i)
-            out = sdpa(q, k, v, attn_mask=mask, scale=p["scaling"], enable_gqa=q.shape[1] != k.shape[1])
+            out = sdpa(q.to(k.dtype), k, v, attn_mask=mask, scale=p["scaling"],
+                       enable_gqa=q.shape[1] != k.shape[1]).to(h.dtype)  # (a bf16 model's cache may be fp32)
             h = h + p["o"](out.transpose(1, 2).reshape(b, 1, -1).contiguous())
             x = p["norm2"](h)
             h = h + (p["mlp"](x) if p["mlp"] is not None else p["down"](p["act"](p["gate"](x)) * p["up"](x)))

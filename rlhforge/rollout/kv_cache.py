@@ -33,9 +33,11 @@ class PreallocatedLayer(DynamicLayer):
     the cache then continues from that tensor.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.capacity = int(capacity)
+        self.dtype = dtype
+        """The buffers' dtype (None: the first keys' own); a write of another dtype is cast."""
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
 
@@ -70,8 +72,8 @@ class PreallocatedLayer(DynamicLayer):
         """A new buffer holding ``end`` tokens or more, the first ``start`` copied from the current keys/values."""
         self.capacity = max(self.capacity, end) if self._k_buf is None else max(self.capacity, 2 * end)
         b, h = key_states.shape[:2]
-        k_buf = key_states.new_empty((b, h, self.capacity, key_states.shape[-1]))
-        v_buf = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        k_buf = key_states.new_empty((b, h, self.capacity, key_states.shape[-1]), dtype=self.dtype)
+        v_buf = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]), dtype=self.dtype)
         if start:
             k_buf[:, :, :start].copy_(self.keys)
             v_buf[:, :, :start].copy_(self.values)
@@ -84,8 +86,9 @@ class PreallocatedLayer(DynamicLayer):
 
 class PreallocatedCache(DynamicCache):
     """A ``DynamicCache`` of :class:`PreallocatedLayer` (one per attention layer, created on first use),
-    each reserving ``capacity`` tokens: the prompt width plus the new tokens of one generation."""
+    each reserving ``capacity`` tokens: the prompt width plus the new tokens of one generation; with
+    ``dtype``, keys and values are kept (and handed to the attention) in that dtype whatever the model's."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None):
         super().__init__()
-        self.layer_class_to_replicate = functools.partial(PreallocatedLayer, capacity)
+        self.layer_class_to_replicate = functools.partial(PreallocatedLayer, capacity, dtype)

@@ -151,3 +151,29 @@ def test_pieces_are_one_split_with_the_slices_values():
     assert x.grad[0, 0, :, 0].tolist() == [1.0] * 4 + [3.0] * 5 + [4.0]
     with pytest.raises(ValueError, match="must cover the row of 10 tokens"):
         _pieces(x, [2, 5, 7])
+
+
+def test_low_precision_attention_runs_in_fp32_on_cpu():
+    """Under bf16 autocast the per-sample and shared-prefix attention get mixed inputs (rotary embeddings
+    promote queries and keys to fp32, values stay bf16); they attend in fp32 - CPU's bf16 SDPA kernels
+    are slower - and return what autocast would have: bf16. Equal to fp32 SDPA of the same values per
+    sample, and the gradients reach every input in its own dtype."""
+    from rlhforge.models.segment_attention import _segment_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 4, 9, 8, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, 9, 8, generator=g).bfloat16().requires_grad_()
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    k2 = k[:, :2]  # grouped-query: 4 query heads over 2 kv heads
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = _segment_sdpa(None, q, k2, v, None, cu_seq_lens_q=cu)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 9, 4, 8)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    want = torch.cat([sdpa(q[:, :, a:b], k2[:, :, a:b], v.float()[:, :, a:b], is_causal=True, enable_gqa=True)
+                      for a, b in ((0, 4), (4, 9))], dim=2).transpose(1, 2).bfloat16()
+    assert torch.equal(out, want)
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16 and k.grad[:, :2].abs().sum() > 0
+    # without autocast, fp32 inputs go to the kernel as they are (fp32 out)
+    out32, _ = _segment_sdpa(None, q.detach(), k2.detach(), v.detach().float(), None, cu_seq_lens_q=cu)
+    assert out32.dtype == torch.float32 and torch.allclose(out32.bfloat16().float(), want.float(), atol=1e-2)

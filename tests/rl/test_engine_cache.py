@@ -239,3 +239,35 @@ def test_decode_attention_is_sdpa_without_repeating_kv_heads():
     model.config._attn_implementation_internal = "eager"  # not SDPA: left as it is
     with decode_attention(model):
         assert model.config._attn_implementation == "eager"
+
+
+def test_a_bf16_engine_on_cpu_keeps_an_fp32_cache_and_agrees_with_fp32(tmp_path):
+    """A bf16 run's engine (``from_model(dtype=bf16)``: a bf16 copy, the trainer's module untouched) keeps
+    its KV cache in fp32 and attends in fp32 on CPU. The lean decoding step equals transformers' forward
+    over that cache bit for bit, and the log-probs of the tokens it samples agree with the fp32 model's
+    own forward over the same tokens up to bf16 rounding of the weights."""
+    path = build_tiny_model(tmp_path / "llama", TinyModelSpec(num_key_value_heads=2), seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=[len(tok) + 7])
+    engine = HFEngine.from_model(model, tok, dtype=torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.float32
+    assert next(engine.model.parameters()).dtype == torch.bfloat16 and engine.cache_dtype == torch.float32
+    assert engine.fast_decode and engine._new_cache(4).layer_class_to_replicate().dtype == torch.float32
+    prompts, params = _prompts(6, len(tok), seed=5), _mixed_params(6)
+    slow = HFEngine(engine.model, fast_decode=False, **kw)
+    fast = HFEngine(engine.model, **kw)
+    outs = [asyncio.run(e.generate(prompts, params)) for e in (slow, fast)]
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bit-identical
+    worst = 0.0
+    for p, o, sp in zip(prompts, outs[1], params):
+        if not o.token_ids:
+            continue
+        ids = torch.tensor([p + o.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(p) - 1: -1].float()
+        t = max(sp.temperature, 1e-6) if sp.temperature > 0 else 1.0
+        ref = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(o.logprobs)).abs().max().item())
+    assert 0 < worst < 0.05  # bf16 weights: close to fp32, not equal
