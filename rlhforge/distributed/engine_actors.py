@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 from rlhforge.distributed.groups import WorkerError
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
-from rlhforge.rollout.vllm_engine import EngineRouter
+from rlhforge.rollout.vllm_engine import EngineRouter, vllm_dtype
 
 __all__ = ["EngineHost", "EngineActors", "build_engine_actors"]
 
@@ -332,8 +332,7 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
 
     v = cfg.vllm
     cpu = placement.device != "cuda"
-    dtype = "float32" if cpu else {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(cfg.ds.param_dtype,
-                                                                                                "auto")
+    dtype = vllm_dtype(cfg.ds.param_dtype, cpu=cpu)
     env = {"RLHFORGE_RAY_WORKER": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")

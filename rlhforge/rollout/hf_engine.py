@@ -1,7 +1,8 @@
 """The HF generation engine: batched decoding with ``transformers`` models and their KV cache.
 
 The engine holds its own copy of the policy (``HFEngine.from_model`` deep-copies the trainer's
-module; ``HFEngine.from_pretrained`` loads a folder) and decodes a batch of left-padded prompts
+module; ``HFEngine.from_pretrained`` loads a folder), in the run's precision (``--ds.param_dtype``:
+a bf16 run decodes with bf16 weights, as its vLLM engine would), and decodes a batch of left-padded prompts
 token by token. Sampling (temperature, top-p, top-k) is done
 for the whole batch at once (:func:`rlhforge.rollout.hf_generate.sample_batch`) with counter-based
 noise keyed by each request's seed and response position, so each request's tokens depend only on

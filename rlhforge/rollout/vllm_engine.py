@@ -61,7 +61,7 @@ from rlhforge.rollout.vllm_vision import (check_expanded_prompt, vlm_placeholder
 from rlhforge.rollout.vllm_worker import EXTENSION_CLS
 
 __all__ = ["VLLMEngine", "EngineRouter", "vllm_available", "vllm_is_cpu_build", "build_vllm_engines",
-           "iter_buckets"]
+           "iter_buckets", "vllm_dtype"]
 
 _INPROC_LOCK = threading.RLock()  # in-process vLLM engines share module-global forward state
 
@@ -450,13 +450,19 @@ class EngineRouter:
             getattr(engine, "close", lambda: None)()
 
 
+def vllm_dtype(param_dtype: str, cpu: bool) -> str:
+    """The engines' dtype for ``--ds.param_dtype``. On CPU: bf16 when the run asks for it (the CPU build's
+    bf16 kernels decode faster than fp32 where the CPU has AVX512-BF16, docs/performance.md), else fp32
+    (``auto`` trains in fp32 on CPU, and fp32 engines agree with the trainer's log-probs to ~1e-6)."""
+    if cpu:
+        return "bfloat16" if param_dtype == "bf16" else "float32"
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(param_dtype, "auto")
+
+
 def build_vllm_engines(cfg, tokenizer, max_model_len: int):
     """The engines of ``--vllm.*`` (a single :class:`VLLMEngine`, or an :class:`EngineRouter`)."""
     v = cfg.vllm
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(getattr(cfg.ds, "param_dtype", "bf16"),
-                                                                         "auto")
-    if vllm_is_cpu_build() and dtype != "float32":
-        dtype = "float32"  # vLLM's CPU kernels and the 1e-6 log-prob agreement with the trainer: fp32
+    dtype = vllm_dtype(getattr(cfg.ds, "param_dtype", "bf16"), cpu=vllm_is_cpu_build())
     engines = [
         VLLMEngine.from_tokenizer(
             cfg.actor.model_name_or_path, tokenizer, dtype=dtype, max_model_len=max_model_len,

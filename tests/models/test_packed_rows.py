@@ -177,3 +177,30 @@ def test_low_precision_attention_runs_in_fp32_on_cpu():
     # without autocast, fp32 inputs go to the kernel as they are (fp32 out)
     out32, _ = _segment_sdpa(None, q.detach(), k2.detach(), v.detach().float(), None, cu_seq_lens_q=cu)
     assert out32.dtype == torch.float32 and torch.allclose(out32.bfloat16().float(), want.float(), atol=1e-2)
+
+
+def test_padded_bf16_forwards_on_cpu_attend_in_fp32(tiny_model_dir):
+    """A padded batch under bf16 autocast goes through the same fp32 attention (the block is entered for
+    it, and left as it was): its log-probs agree with those of the batch's samples one at a time under
+    autocast (no padding, the per-sample path) up to the bf16 matmuls' rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhforge.models.segment_attention import NAME, segment_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (7, 11, 4)]
+    batch = collate_padded([{"input_ids": s, "loss_mask": [1] * len(s)} for s in seqs], pad_id=0)
+    seen = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        with segment_attention(model, kwargs):
+            seen.append(model.config._attn_implementation_internal)
+        padded = token_logprobs(model, batch)
+        alone = [token_logprobs(model, collate_packed([{"input_ids": s, "loss_mask": [1] * len(s)}]))[0]
+                 for s in seqs]
+    assert seen == [NAME] and model.config._attn_implementation_internal == "sdpa"
+    for row, mask, one in zip(padded, batch["attention_mask"].bool(), alone):
+        assert torch.allclose(row[mask], one, atol=2e-2)  # bf16 matmuls of other shapes; attention alike

@@ -271,3 +271,12 @@ def test_a_bf16_engine_on_cpu_keeps_an_fp32_cache_and_agrees_with_fp32(tmp_path)
         ref = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0]
         worst = max(worst, (ref - torch.tensor(o.logprobs)).abs().max().item())
     assert 0 < worst < 0.05  # bf16 weights: close to fp32, not equal
+
+
+def test_vllm_engines_take_the_runs_precision_bf16_included_on_cpu():
+    from rlhforge.rollout.vllm_engine import vllm_dtype
+
+    assert [vllm_dtype(d, cpu=True) for d in ("auto", "fp32", "bf16", "fp16")] == \
+        ["float32", "float32", "bfloat16", "float32"]
+    assert [vllm_dtype(d, cpu=False) for d in ("auto", "fp32", "bf16", "fp16")] == \
+        ["auto", "float32", "bfloat16", "float16"]
