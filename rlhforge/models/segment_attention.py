@@ -166,13 +166,16 @@ def segment_kwargs(lengths: list[int], device: torch.device) -> dict[str, Any]:
 
 
 def _low_precision_cpu(model, config, kwargs: Mapping[str, Any]) -> bool:
-    """A forward on CPU in bf16/fp16 (autocast or such weights) of a text-only sdpa model without gradient
-    checkpointing (a recomputed layer would attend outside the block): its attention is better in fp32."""
+    """A forward on CPU in bf16/fp16 (autocast or such weights) of a text-only, plain causal sdpa model
+    without gradient checkpointing (a recomputed layer would attend outside the block): its attention is
+    better in fp32."""
     ids = kwargs.get("input_ids")
     if ids is None or ids.device.type != "cpu" or kwargs.get("pixel_values") is not None:
         return False
     if getattr(config, "_attn_implementation_internal", None) != "sdpa" or getattr(model, "is_gradient_checkpointing",
                                                                                     False):
+        return False
+    if not plain_causal(config):  # (the block's masks without an attention_mask assume plain causal layers)
         return False
     if torch.is_autocast_enabled("cpu"):
         return True
