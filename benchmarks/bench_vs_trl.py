@@ -4,6 +4,7 @@
     python benchmarks/bench_vs_trl.py --quick         # 2 timed steps, smallest shapes (a smoke run)
     python benchmarks/bench_vs_trl.py --sweep         # the full grid of the scaling plot
     python benchmarks/bench_vs_trl.py --work grpo --vllm --rounds 3
+    python benchmarks/bench_vs_trl.py --precision bf16   # every side in bf16 (vs_trl_bf16.json)
 
 Every side trains the same locally built model folder (Llama, hidden 256, 4 layers, ~1k vocab,
 head_dim 32) on the same data with the same batch shapes, on CPU, each run in a fresh process:
@@ -29,6 +30,11 @@ order flips every round) and each keeps its best round. Results go to
 ``benchmarks/results/vs_trl.json`` (``--quick``: ``vs_trl_quick.json``), a table is printed, and
 with several shapes per work a plot of seconds per step against the shape is saved beside it
 (``vs_trl_scaling.png``). Timings on a machine other processes are using are not comparable.
+
+``--precision bf16`` runs every side in bf16 with fp32 weights: TRL ``bf16=True`` (autocast on CPU),
+rlhforge ``--ds.param_dtype bf16``, the bare loop's forwards under ``torch.autocast`` (its generation
+fp32); results then go to ``vs_trl_bf16.json`` / ``vs_trl_sweep_bf16.json`` (plot
+``vs_trl_bf16_scaling.png``).
 """
 
 from __future__ import annotations

@@ -51,7 +51,10 @@ def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or attention_mask is not None or query.shape[0] != 1:
         def plain(q, k, v):
-            return sdpa_attention_forward(module, q, k, v, attention_mask, dropout=dropout, scaling=scaling,
+            mask = attention_mask
+            if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+                mask = mask.to(q.dtype)  # an additive mask built in the model's bf16, queries now in fp32
+            return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
                                           is_causal=is_causal, **kwargs)[0]
         return _in_fp32(plain, query, key, value), None
     return _in_fp32(_per_sample_sdpa, query, key, value, cu.tolist(), dropout, scaling), None
