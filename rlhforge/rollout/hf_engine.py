@@ -92,7 +92,8 @@ class HFEngine:
         """Decoding steps of plain decoder LMs skip transformers' forward machinery
         (:class:`rlhforge.rollout.fast_decode.FastDecoder`: the model's own submodules, bit-identical logits)."""
         low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        self.cache_dtype = torch.float32 if low and self.device.type == "cpu" and self.native_gqa else None
+        plain = self.native_gqa and self.padding_mask_4d and self.kv_cache == "preallocated"  # plain causal sdpa
+        self.cache_dtype = torch.float32 if low and self.device.type == "cpu" and plain else None
         """A bf16/fp16 model on CPU keeps its KV cache in fp32 and attends in fp32: CPU's SDPA kernels are
         several times slower in bf16 than in fp32 (a 16 x 8 x 64 generation of the benchmark's model spends
         56% of its time in bf16 attention), while the projections gain from bf16 weights."""

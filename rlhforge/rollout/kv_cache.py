@@ -36,8 +36,9 @@ class PreallocatedLayer(DynamicLayer):
     def __init__(self, capacity: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.capacity = int(capacity)
-        self.dtype = dtype
-        """The buffers' dtype (None: the first keys' own); a write of another dtype is cast."""
+        self.buffer_dtype = dtype
+        """The buffers' dtype (None: the first keys' own); a write of another dtype is cast. (Not ``dtype``:
+        ``DynamicLayer.lazy_initialization`` sets that to the first keys' dtype.)"""
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
 
@@ -72,8 +73,8 @@ class PreallocatedLayer(DynamicLayer):
         """A new buffer holding ``end`` tokens or more, the first ``start`` copied from the current keys/values."""
         self.capacity = max(self.capacity, end) if self._k_buf is None else max(self.capacity, 2 * end)
         b, h = key_states.shape[:2]
-        k_buf = key_states.new_empty((b, h, self.capacity, key_states.shape[-1]), dtype=self.dtype)
-        v_buf = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]), dtype=self.dtype)
+        k_buf = key_states.new_empty((b, h, self.capacity, key_states.shape[-1]), dtype=self.buffer_dtype)
+        v_buf = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]), dtype=self.buffer_dtype)
         if start:
             k_buf[:, :, :start].copy_(self.keys)
             v_buf[:, :, :start].copy_(self.values)

@@ -253,7 +253,10 @@ def test_a_bf16_engine_on_cpu_keeps_an_fp32_cache_and_agrees_with_fp32(tmp_path)
     engine = HFEngine.from_model(model, tok, dtype=torch.bfloat16)
     assert next(model.parameters()).dtype == torch.float32
     assert next(engine.model.parameters()).dtype == torch.bfloat16 and engine.cache_dtype == torch.float32
-    assert engine.fast_decode and engine._new_cache(4).layer_class_to_replicate().dtype == torch.float32
+    cache = engine._new_cache(4)
+    bf16_keys = torch.randn(2, 2, 3, 8, dtype=torch.bfloat16)
+    keys, values = cache.update(bf16_keys, bf16_keys, 0)
+    assert engine.fast_decode and keys.dtype == values.dtype == torch.float32 and torch.equal(keys, bf16_keys.float())
     prompts, params = _prompts(6, len(tok), seed=5), _mixed_params(6)
     slow = HFEngine(engine.model, fast_decode=False, **kw)
     fast = HFEngine(engine.model, **kw)
