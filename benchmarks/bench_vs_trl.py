@@ -407,7 +407,8 @@ def plot_path(out: Path) -> Path:
 
 
 def merge_main(paths: list[str], out: Path) -> int:
-    """One results file (and plot) from several runs' files, points in the order first seen.
+    """One results file (and plot) from several runs' files, points in the sweep's order (work, then shape
+    as in :data:`SWEEP`; shapes outside the grid after it, in the order first seen).
 
     The sides of one point (same work and shape) found in several files are combined, a later file's side
     replacing an earlier one's (so a rerun of some sides updates just those); every side records the file
@@ -426,7 +427,9 @@ def merge_main(paths: list[str], out: Path) -> int:
             merged = points.setdefault(key, {"work": entry["work"], "point": entry["point"], "sides": {}})
             for side, r in entry["sides"].items():
                 merged["sides"][side] = {**r, "from": r.get("from", source)}
-    results = {"setup": {"merged_from": setups}, "points": list(points.values())}
+    grid = [json.dumps([w, pt], sort_keys=True) for w in ("sft", "dpo", "grpo") for pt in SWEEP[w]]
+    ordered = sorted(points, key=lambda k: grid.index(k) if k in grid else len(grid))  # (a stable sort)
+    results = {"setup": {"merged_from": setups}, "points": [points[k] for k in ordered]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
