@@ -168,17 +168,12 @@ def segment_kwargs(lengths: list[int], device: torch.device) -> dict[str, Any]:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def _low_precision_cpu(model, config, kwargs: Mapping[str, Any]) -> bool:
-    """A forward on CPU in bf16/fp16 (autocast or such weights) of a text-only, plain causal sdpa model
-    without gradient checkpointing (a recomputed layer would attend outside the block): its attention is
-    better in fp32."""
+def _low_precision_cpu(model, kwargs: Mapping[str, Any]) -> bool:
+    """A text-only forward in bf16/fp16 (autocast or such weights) where the sample-by-sample attention
+    would apply (:func:`segments_apply`: CPU, sdpa, plain causal layers, no gradient checkpointing): its
+    attention is better in fp32."""
     ids = kwargs.get("input_ids")
-    if ids is None or ids.device.type != "cpu" or kwargs.get("pixel_values") is not None:
-        return False
-    if getattr(config, "_attn_implementation_internal", None) != "sdpa" or getattr(model, "is_gradient_checkpointing",
-                                                                                    False):
-        return False
-    if not plain_causal(config):  # (the block's masks without an attention_mask assume plain causal layers)
+    if ids is None or kwargs.get("pixel_values") is not None or not segments_apply(model, ids):
         return False
     if torch.is_autocast_enabled("cpu"):
         return True
@@ -192,7 +187,7 @@ def segment_attention(model, kwargs: Mapping[str, Any]):
     or if the forward is a low-precision one on CPU (padded batches then attend through sdpa in fp32)."""
     config = _text_config(model)
     if config is None or ("cu_seq_lens_q" not in kwargs and SPANS_KEY not in kwargs
-                          and not _low_precision_cpu(model, config, kwargs)):
+                          and not _low_precision_cpu(model, kwargs)):
         yield
         return
     before = config._attn_implementation_internal
