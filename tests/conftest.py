@@ -18,6 +18,8 @@ import pytest
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# a child that aborts (a rank under torchrun) prints its Python stacks: where it died, in the test report
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @pytest.fixture(scope="module")

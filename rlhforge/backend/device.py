@@ -73,10 +73,19 @@ def destroy_group_at_exit() -> None:
 
 
 def _destroy_process_group() -> None:
+    """Shut every group down and drop the references that would keep their gloo threads alive into the
+    interpreter's teardown: DeepSpeed's cached groups, and groups held only by reference cycles."""
+    import gc
+    import sys
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    release = getattr(sys.modules.get("deepspeed.utils.groups"), "_release_process_group_references", None)
+    if release is not None:
+        release()
+    gc.collect()
 
 
 def single_process_env() -> None:

@@ -3,7 +3,6 @@ gives the 1-rank loss and gradients, and the same weights after two optimizer st
 rm commands under torchrun with --ds.tensor_parallel_size 2 match one rank (ZeRO-1 there)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from rlhforge.backend.autotp import autotp_ds_config, check_tp_size, tp_layout
+from tests.torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("autotp_worker.py")
 
@@ -20,7 +20,7 @@ def _run(model_dir, out, nproc, specs):
     args = [str(WORKER), str(model_dir), str(out), *specs]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
             str(29800 + os.getpid() % 100), *args] if nproc > 1 else [sys.executable, *args])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 
@@ -81,7 +81,7 @@ def test_sft_cli_with_autotp_on_two_ranks_matches_one(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(29900 + os.getpid() % 100), "-m", "rlhforge.cli.train_sft",
            *sft_args(tiny_model_dir, data, tp, *common, "--ds.tensor_parallel_size", "2")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     a, b = losses(single), losses(tp)
     assert sorted(a) == sorted(b) and len(a) >= 2 and a[1] > 1.0
@@ -122,7 +122,7 @@ def test_preference_cli_with_autotp_on_two_ranks_matches_one(tiny_model_dir, tmp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(29950 + os.getpid() % 40), "-m", f"rlhforge.cli.{command}", *base, "--ckpt.output_dir", str(tp),
            "--ds.tensor_parallel_size", "2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
     def rows(d):

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhforge.backend.ema import ParamEMA, ema_update_
+from tests.torchrun import run_torchrun
 
 ROOT = Path(__file__).parents[2]
 WORKER = Path(__file__).with_name("ema_worker.py")
@@ -72,7 +73,7 @@ def test_sharded_ema_on_two_ranks_exports_the_recomputed_average(tiny_model_dir,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(_free_port()), str(WORKER), str(tiny_model_dir), str(tmp_path), "0.5", "2",
            "fsdp2", "deepspeed:3"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for spec in ("fsdp2", "deepspeed_3"):
         record = torch.load(tmp_path / spec / "live.pt", weights_only=False)

@@ -2,12 +2,12 @@
 1 rank x 4 micro-batches and 2 ranks x 2 micro-batches (DDP, ZeRO-2, ZeRO-3) equal one big batch."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("dist_grad_worker.py")
 
@@ -19,7 +19,7 @@ def _run(tiny_model_dir, tmp_path, nproc, micro, specs):
            str(29500 + os.getpid() % 1000), str(WORKER), str(tiny_model_dir), str(out), str(micro), *specs]
     if nproc == 1:
         cmd = [sys.executable, str(WORKER), str(tiny_model_dir), str(out), str(micro), *specs]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 

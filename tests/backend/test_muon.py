@@ -5,7 +5,6 @@ Muon takes the same first step as the plain-torch strategy."""
 import io
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from rlhforge.config.components import AdamConfig, MuonConfig, OptimConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 import muon_worker  # noqa: E402
+from tests.torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("muon_worker.py")
 MUON = OptimConfig(name="muon", adam=AdamConfig(lr=1e-3, weight_decay=0.1), muon=MuonConfig(lr=0.02))
@@ -147,7 +147,7 @@ def _worker(model_dir, out, nproc, *specs):
     if nproc > 1:
         cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                     str(_free_port())]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 

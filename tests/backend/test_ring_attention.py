@@ -7,7 +7,6 @@ gradients equal the one-rank forward. The rest checks slicing, padding and block
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 
 from rlhforge.backend.context_parallel import RingGroup, padded_length, packed_sequence_ids, ring_topology, slice_packed
 from rlhforge.backend.ring_attention import BlockPlan, TorchBlockKernel, block_plan, plan_mask
+from tests.torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("ring_worker.py")
 
@@ -27,7 +27,7 @@ def ring_results(request, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(request.param), "--master_port",
            str(31000 + request.param + os.getpid() % 1000), str(WORKER), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 

@@ -2,12 +2,12 @@
 weights, Adam moments, schedule and next-step losses as the 2-rank run that carried on."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("universal_ckpt_worker.py")
 
@@ -20,7 +20,7 @@ def _run(tiny_model_dir, root, out, stages, mode, nproc):
                str(29700 + os.getpid() % 1000), *args]
     else:
         cmd = [sys.executable, *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 

@@ -19,6 +19,7 @@ from rlhforge.config.rl import RLConfig
 from rlhforge.distributed.workers import ActorWorker, CriticWorker, PolicyLossSpec
 
 from tests.rl.dynamic_batch_worker import LENGTHS, experience_samples as _samples
+from tests.torchrun import run_torchrun
 
 # LENGTHS: mixed, long and short alternating: fixed pairs pad every short sample up to a long one
 BUDGET = 128  # first-fit decreasing: 60+55+12 | 50+10+8+7+6 -> 2 micro-batches instead of 4 pairs
@@ -182,7 +183,6 @@ def test_two_ranks_deepspeed_and_ddp_equal_fixed_and_one_rank(actor, tiny_model_
     all_reduce(max) although rank 1 alone needs 2; DeepSpeed configured for 2) equals the fixed one
     (2 pairs per rank) and the one-rank step over all 8 samples, in the seq-mean mode."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -192,7 +192,7 @@ def test_two_ranks_deepspeed_and_ddp_equal_fixed_and_one_rank(actor, tiny_model_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(29500 + (os.getpid() + 7) % 1000), str(worker), str(tiny_model_dir), str(out), "64",
            "torch", "deepspeed:2", "deepspeed:3", "fsdp2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = torch.load(out, weights_only=False)
     spec = PolicyLossSpec(loss_kwargs={"eps_low": 0.2, "eps_high": 0.2}, agg_mode="seq_mean_token_mean",

@@ -4,12 +4,12 @@ full one). The worker runs for real (tests/rl/ring_actor_worker.py); the RL comm
 flag until its Ray groups shard samples by ring (docs/long_context.md)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("ring_actor_worker.py")
 ROOT = Path(__file__).parents[2]
@@ -19,7 +19,7 @@ def _run(model_dir, out, nproc):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(33000 + nproc + os.getpid() % 1000), str(WORKER), str(model_dir), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 

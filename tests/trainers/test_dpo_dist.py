@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from rlhforge.cli import train_dpo
 from rlhforge.tracking.metrics import read_metrics
+from tests.torchrun import run_torchrun
 
 
 def args(model_dir, out):
@@ -38,7 +38,7 @@ def test_two_ranks_zero2_lora_match_one_process(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(29500 + (os.getpid() + 7) % 1000), "-m", "rlhforge.cli.train_dpo", *args(tiny_model_dir, dist),
            "--ds.zero_stage", "2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_torchrun(cmd, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "2 rank(s)" in proc.stdout and "adapter-disabled policy" in proc.stdout
     a, b = read_metrics(single), read_metrics(dist)

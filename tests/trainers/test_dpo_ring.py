@@ -8,7 +8,6 @@ the reference being the adapter-disabled policy, precomputed through the ring be
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 from rlhforge.cli import train_dpo
 from rlhforge.tracking.metrics import read_metrics
 from tests.model_helpers import perturbed_copy
+from tests.torchrun import run_torchrun
 
 ROOT = Path(__file__).parents[2]
 KEYS = ("train/loss", "train/acc", "train/reward_margin", "train/chosen_logp", "train/rejected_logp",
@@ -46,7 +46,7 @@ def run_single_and_ring(argv, tmp_path, port: int):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(port + os.getpid() % 1000), "-m", "rlhforge.cli.train_dpo", *argv(ring), "--ds.ring_attn_size", "2"]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "1 data-parallel x 2 ring-attention" in proc.stdout
     return read_metrics(single), read_metrics(ring), single, ring, proc.stdout

@@ -4,7 +4,6 @@ per-step losses as one process, and the exported model reloads. Slow (one torchr
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 
 from rlhforge.cli import train_rm
 from rlhforge.tracking.metrics import read_metrics
+from tests.torchrun import run_torchrun
 
 
 def args(model_dir, out):
@@ -39,7 +39,7 @@ def test_two_ranks_zero3_match_one_process(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(29500 + os.getpid() % 1000), "-m", "rlhforge.cli.train_rm", *args(tiny_model_dir, dist),
            "--ds.zero_stage", "3"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_torchrun(cmd, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "2 rank(s)" in proc.stdout and "DeepSpeedStrategy" in proc.stdout
     a, b = read_metrics(single), read_metrics(dist)

@@ -10,7 +10,6 @@ packed run.
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 
 from rlhforge.cli import train_rm
 from rlhforge.tracking.metrics import read_metrics
+from tests.torchrun import run_torchrun
 
 ROOT = Path(__file__).parents[2]
 KEYS = ("train/loss", "train/acc", "train/chosen_reward", "train/rejected_reward", "train/reward_margin",
@@ -48,7 +48,7 @@ def test_rm_ring_attention_two_ranks_match_one(tiny_model_dir, tmp_path):
            str(34000 + os.getpid() % 1000), "-m", "rlhforge.cli.train_rm",
            *args(tiny_model_dir, ring, "--ds.strategy", "deepspeed", "--ds.zero_stage", "2",
                  "--ds.ring_attn_size", "2")]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "1 data-parallel x 2 ring-attention" in proc.stdout and "DeepSpeedStrategy" in proc.stdout
     a, b = read_metrics(single), read_metrics(ring)

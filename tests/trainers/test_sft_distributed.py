@@ -1,7 +1,6 @@
 """The same SFT run under DeepSpeed ZeRO-2 and ZeRO-3 with 2 CPU processes matches one process."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import pytest
 
 from rlhforge.cli.train_sft import main as sft_main
 from tests.trainers.sft_helpers import losses, sft_args, write_sft_data
+from tests.torchrun import run_torchrun
 
 ROOT = Path(__file__).parents[2]
 
@@ -26,7 +26,7 @@ def test_zero_two_processes_match_single_process(tiny_model_dir, tmp_path, stage
            *sft_args(tiny_model_dir, data, dist, "--ds.attn_implementation", "eager", "--ds.strategy", "deepspeed",
                      "--ds.zero_stage", stage, "--train.micro_batch_size", "2", "--ckpt.save_steps", "2",
                      *(["--ds.adam_offload"] if offload else []))]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     a, b = losses(single), losses(dist)
     assert sorted(a) == sorted(b) == [1, 2, 3]

@@ -6,7 +6,6 @@ packed row; the loss curve and the trained weights equal the one-process packed 
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 
 from rlhforge.cli.train_sft import main as sft_main
 from tests.trainers.sft_helpers import losses, sft_args, write_sft_data
+from tests.torchrun import run_torchrun
 
 ROOT = Path(__file__).parents[2]
 
@@ -34,7 +34,7 @@ def test_sft_ring_attention_two_ranks_match_one(tiny_model_dir, tmp_path):
            *sft_args(tiny_model_dir, data, ring, *common, *strategy, "--ds.ring_attn_size", "2",
                      "--ds.ring_attn_head_stride", "1",
                      "--model.gradient_checkpointing_enable")]  # recomputed layers find the ring layout
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "16 train / 4 eval" in proc.stdout and "1 data-parallel x 2 ring-attention" in proc.stdout
     a, b = losses(single), losses(ring)

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from rlhforge.cli.train_sft import main as sft_main
 from tests.vlm_helpers import write_colour_data
+from tests.torchrun import run_torchrun
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -130,7 +131,6 @@ def test_vlm_sft_zero3_two_processes_matches_one(tiny_vlm_dir, tmp_path):
     """DeepSpeed ZeRO-3 on 2 CPU processes: the same losses as one process, the frozen (sharded) tower
     bit-identical, the same weights to float tolerance."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -143,7 +143,7 @@ def test_vlm_sft_zero3_two_processes_matches_one(tiny_vlm_dir, tmp_path):
            str(29700 + os.getpid() % 500), "-m", "rlhforge.cli.train_sft",
            *_args(tiny_vlm_dir, data, dist, *common, "--ds.strategy", "deepspeed", "--ds.zero_stage", "3")]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
     def losses(run):
