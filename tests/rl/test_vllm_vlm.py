@@ -10,7 +10,6 @@ request run here.
 
 import asyncio
 import math
-import os
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from rlhforge.rollout.hf_engine import HFEngine
 from rlhforge.rollout.vllm_vision import check_expanded_prompt, collapse_image_tokens, vlm_unsupported_reason
 from tests.vlm_helpers import shape_image
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
 

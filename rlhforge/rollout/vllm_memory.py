@@ -1,0 +1,64 @@
+"""How much KV cache a vLLM CPU engine gets: what the run can have in flight, not a fixed GiB.
+
+vLLM's CPU build reserves its whole KV cache at start-up (``VLLM_CPU_KVCACHE_SPACE`` GiB, or
+``kv_cache_memory_bytes``) and writes it, so all of it is resident. A fixed 1 GiB is ~100x what a
+small model's rollout needs (16 sequences of 192 tokens of a 4-layer model with 4 KV heads of 32 dims
+in fp32 need 12 MiB), and it is most of the engine's memory. Here the cache holds the sequences one
+engine can have in flight at full ``max_model_len``, with a spare block each. The size is at least
+:data:`MIN_BYTES` and at most :data:`MAX_BYTES` (the former fixed size). A run that goes over this only
+queues: vLLM schedules what fits and preempts the rest, it does not fail. ``VLLM_CPU_KVCACHE_SPACE``,
+when the user sets it, is used as is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+MIN_BYTES = 64 << 20
+MAX_BYTES = 1 << 30
+BLOCK = 128  # the CPU build's KV block, in tokens
+_IN_FLIGHT_BATCHES = 2  # a step's rollout plus the next one (async training, retries)
+
+
+def user_kv_cache_space() -> str | None:
+    """``VLLM_CPU_KVCACHE_SPACE`` as the user set it (None when unset or empty)."""
+    value = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    return value if value else None
+
+
+def kv_bytes_per_token(config, dtype: str) -> int:
+    """Bytes of K and V per token over all layers for a transformers config (its text part)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    elem = 2 if dtype in ("bfloat16", "float16", "half") else 4
+    return int(text.num_hidden_layers) * 2 * int(kv_heads) * int(head_dim) * elem
+
+
+def cpu_kv_cache_bytes(config, dtype: str, max_model_len: int, max_seqs: int) -> int:
+    """The KV cache of one CPU engine for ``max_seqs`` sequences of ``max_model_len`` tokens."""
+    tokens = max(1, int(max_seqs)) * (math.ceil(max_model_len / BLOCK) + 1) * BLOCK
+    return int(min(max(tokens * kv_bytes_per_token(config, dtype), MIN_BYTES), MAX_BYTES))
+
+
+def rollout_seqs_per_engine(cfg) -> int:
+    """Sequences one engine can be asked for at once: a rollout batch's samples over the engines, times
+    the batches that can be in flight."""
+    n = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    return math.ceil(n / max(1, cfg.vllm.num_engines or 1)) * _IN_FLIGHT_BATCHES
+
+
+def engine_kv_cache_bytes(cfg, dtype: str, max_model_len: int) -> int | None:
+    """``kv_cache_memory_bytes`` for the run's CPU engines; None when the user set
+    ``VLLM_CPU_KVCACHE_SPACE`` or the model's config has no plain attention shape to size from."""
+    if user_kv_cache_space() is not None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.actor.model_name_or_path)
+        return cpu_kv_cache_bytes(config, dtype, max_model_len, rollout_seqs_per_engine(cfg))
+    except (AttributeError, TypeError, ValueError, OSError):
+        return None
