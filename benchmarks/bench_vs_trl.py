@@ -15,7 +15,7 @@ head_dim 32) on the same data with the same batch shapes, on CPU, each run in a 
 - ``rlhforge``: the real CLI (``python -m rlhforge.cli.train_sft`` / ``train_dpo`` /
   ``train_ppo_ray``), step ends from the ``time`` of each ``metrics.jsonl`` record; SFT and DPO
   packed (``--ds.packing_samples``), GRPO padded; ``rlhforge_packed`` is GRPO packed, and
-  ``rlhforge_vllm`` (``--vllm``) GRPO with ``--vllm.num_engines 1``;
+  ``rlhforge_vllm`` / ``rlhforge_vllm_packed`` (``--vllm``) GRPO padded / packed with ``--vllm.num_engines 1``;
 - ``bare``: ``benchmarks/bench_bare.py``, the same math with nothing around it.
 
 One GRPO step is one generation of ``prompts x samples`` completions and one optimizer step on
@@ -166,9 +166,9 @@ def rlhforge_command(side: str, work: str, model_dir: str, data: str | None, poi
            "--train.batch_size", str(n), "--train.micro_batch_size", str(n), "--train.max_steps", str(steps),
            "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--actor.adam.lr", str(LR),
            "--logger.progress_bar", "off", *out]
-    if side == "rlhforge_packed":
+    if side in ("rlhforge_packed", "rlhforge_vllm_packed"):
         cmd.append("--ds.packing_samples")
-    if side == "rlhforge_vllm":
+    if side in ("rlhforge_vllm", "rlhforge_vllm_packed"):
         cmd += ["--vllm.num_engines", "1"]
     return cmd
 
@@ -308,11 +308,12 @@ def main(argv=None) -> int:
                         help="SFT/DPO over batch 8/64 x max_len 128/512/1024, GRPO over 4x4/16x8/32x8 x 8/64/256")
     parser.add_argument("--work", nargs="+", choices=("sft", "dpo", "grpo"), default=["sft", "dpo", "grpo"])
     parser.add_argument("--sides", nargs="+", default=None,
-                        help="subset of trl rlhforge rlhforge_packed rlhforge_vllm bare (default: all that apply)")
+                        help="subset of trl rlhforge rlhforge_packed rlhforge_vllm rlhforge_vllm_packed bare (default: all that "
+                        "apply)")
     parser.add_argument("--shape", help="one shape instead of the grid, as JSON: "
                         "'{\"batch\": 8, \"max_len\": 512}' (sft/dpo) or '{\"prompts\": 16, \"samples\": 8, "
                         "\"new_tokens\": 64}' (grpo); works it does not fit are skipped")
-    parser.add_argument("--vllm", action="store_true", help="add rlhforge_vllm (--vllm.num_engines 1) to GRPO")
+    parser.add_argument("--vllm", action="store_true", help="add rlhforge_vllm and rlhforge_vllm_packed (--vllm.num_engines 1) to GRPO")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 5; --quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps, not timed (default 3; --quick 1)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds; best kept (default 2; --quick 1)")
@@ -370,7 +371,7 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         model_dir = str(build_model(tmp / "model"))
         for work in args.work:
-            sides = ["trl", "rlhforge"] + (["rlhforge_packed"] + (["rlhforge_vllm"] if args.vllm else [])
+            sides = ["trl", "rlhforge"] + (["rlhforge_packed"] + (["rlhforge_vllm", "rlhforge_vllm_packed"] if args.vllm else [])
                                            if work == "grpo" else []) + ["bare"]
             sides = [s for s in sides if (args.sides is None or s in args.sides) and (s != "trl" or trl_version)]
             for point in grid[work]:
