@@ -207,7 +207,9 @@ def run_side(side: str, work: str, model_dir: str, data: str | None, point: dict
     launched = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = launched + timeout
+    hwm = 0.0
     while True:
+        hwm = max(hwm, vm_hwm_gb(proc.pid))
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
@@ -227,7 +229,19 @@ def run_side(side: str, work: str, model_dir: str, data: str | None, point: dict
     marks = res.pop("step_end_times")
     res.pop("peak_rss_gb", None)  # the process's own figure; wait4 below is the same kind for every side
     return {**res, "step_end_times": marks, "time_to_first_step_s": marks[0] - launched if marks else None,
-            "peak_rss_gb": usage.ru_maxrss / 2**20}
+            "peak_rss_gb": hwm or usage.ru_maxrss / 2**20}
+
+
+def vm_hwm_gb(pid: int) -> float:
+    """The process's own peak RSS (``VmHWM``; 0 once it is gone). ``wait4``'s ``ru_maxrss`` is no good
+    here: Linux carries the high-water mark across fork + exec, so a child reads at least this driver's
+    RSS at the fork (~0.47 GB: torch, transformers and DeepSpeed imported)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next((x for x in f if x.startswith("VmHWM:")), "")
+    except OSError:
+        return 0.0
+    return int(line.split()[1]) / 2**20 if line else 0.0
 
 
 def summarise(runs: list[dict], warmup: int) -> dict:

@@ -49,10 +49,13 @@ def test_the_rollout_sets_the_sequences_and_the_users_setting_wins(tiny_model_di
 
 
 CHILD = """
-import asyncio, json, resource, sys
+import asyncio, json, sys
 from transformers import AutoTokenizer
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.rollout.vllm_engine import VLLMEngine
+def peak_rss_gb():  # VmHWM: this process image's own peak (ru_maxrss keeps the forking parent's)
+    line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 2**20
 model, size = sys.argv[1], (int(sys.argv[2]) or None)
 tok = AutoTokenizer.from_pretrained(model)
 engine = VLLMEngine.from_tokenizer(model, tok, max_model_len=128, kv_cache_bytes=size)
@@ -61,7 +64,7 @@ prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generat
 outs = asyncio.run(engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0)))
 cc = engine.llm.llm_engine.vllm_config.cache_config
 print(json.dumps({"bytes": cc.kv_cache_memory_bytes, "blocks": cc.num_gpu_blocks, "tokens": [o.token_ids for o in outs],
-                  "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                  "rss_gb": peak_rss_gb()}))
 """
 
 
