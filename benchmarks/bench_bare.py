@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import sys
@@ -63,6 +64,35 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def vm_hwm_gb(pid: int) -> float:
+    """The process's own peak RSS (``VmHWM``; 0 once it is gone). ``wait4``'s ``ru_maxrss`` is no good
+    for a child: Linux carries the high-water mark across fork + exec, so a child reads at least this driver's
+    RSS at the fork (~0.47 GB: torch, transformers and DeepSpeed imported)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next((x for x in f if x.startswith("VmHWM:")), "")
+    except OSError:
+        return 0.0
+    return int(line.split()[1]) / 2**20 if line else 0.0
+
+
+def wait_with_peak(proc, deadline: float | None = None):
+    """Wait for a child (killed at ``deadline``, a ``time.time()``): ``(status, rusage, peak RSS GB)``,
+    the peak its own :func:`vm_hwm_gb` polled every 50 ms (``ru_maxrss`` if it never read)."""
+    hwm = 0.0
+    while True:
+        hwm = max(hwm, vm_hwm_gb(proc.pid))
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if deadline is not None and time.time() > deadline:
+            proc.kill()
+            pid, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.05)
+    return status, usage, hwm or usage.ru_maxrss / 2**20
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -7,7 +7,7 @@ Writes ``benchmarks/results/rl.json``: per framework, seconds per RL step (one g
 time in generation vs training (rlhforge), peak resident memory, and the TRL/rlhforge time ratio.
 Both frameworks get the same tiny model, prompts, group size, lengths, batch sizes and lr, on CPU
 with the HF generation path (no vLLM). The first step is a warm-up and is not timed. Each
-framework runs in its own process (``--side``), so its peak RSS is its own (``os.wait4``), not the
+framework runs in its own process (``--side``), so its peak RSS is its own (its ``VmHWM``), not the
 maximum of a process that already ran the other one. ``bench_vs_trl.py`` is the fuller comparison.
 """
 
@@ -22,6 +22,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_bare import wait_with_peak  # noqa: E402
 
 PROMPTS, GROUP, MAX_NEW = 16, 8, 8
 
@@ -103,17 +106,17 @@ def bench_trl(model_dir: Path, out_dir: Path, steps: int) -> dict:
 
 
 def run_side(side: str, model_dir: Path, out_dir: Path, steps: int, threads: int) -> dict:
-    """One framework in a fresh process; its peak RSS from ``os.wait4`` (that process only)."""
+    """One framework in a fresh process; its peak RSS is that process's own (``VmHWM``)."""
     result = out_dir / f"{side}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--side", side, "--model", str(model_dir),
                              "--steps", str(steps), "--threads", str(threads), "--out", str(result)], env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
+    status, _, peak = wait_with_peak(proc)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"the {side} run failed (exit {proc.returncode})")
     out = json.loads(result.read_text())
-    out["peak_rss_gb"] = usage.ru_maxrss / 2**20
+    out["peak_rss_gb"] = peak
     return out
 
 

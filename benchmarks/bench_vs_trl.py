@@ -24,8 +24,8 @@ rlhforge: ``train.batch_size = rollout.batch_size x n_samples``), no KL term, te
 
 Per side and shape the figures are: seconds per step from the step-end timestamps after the
 warm-up steps (no start-up in the figure), time to first step (process launch to the end of the
-first step: imports, model load, tokenisation, first step) and peak RSS of that process (from
-``os.wait4``, so each side is measured in its own process). Sides alternate within each round (the
+first step: imports, model load, tokenisation, first step) and peak RSS of that process (its
+``VmHWM``, :func:`bench_bare.wait_with_peak`; each side is measured in its own process). Sides alternate within each round (the
 order flips every round) and each keeps its best round. Results go to
 ``benchmarks/results/vs_trl.json`` (``--quick``: ``vs_trl_quick.json``), a table is printed, and
 with several shapes per work a plot of seconds per step against the shape is saved beside it
@@ -52,7 +52,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_bare import peak_rss_gb, read_jsonl, run_bare, write_dpo, write_sft  # noqa: E402
+from bench_bare import (peak_rss_gb, read_jsonl, run_bare, wait_with_peak, write_dpo,  # noqa: E402
+                        write_sft)
 
 HEADLINE = {"sft": [{"batch": 8, "max_len": 128}], "dpo": [{"batch": 8, "max_len": 128}],
             "grpo": [{"prompts": 4, "samples": 4, "new_tokens": 64}]}
@@ -206,18 +207,7 @@ def run_side(side: str, work: str, model_dir: str, data: str | None, point: dict
     log = open(run_dir / "log.txt", "w")
     launched = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = launched + timeout
-    hwm = 0.0
-    while True:
-        hwm = max(hwm, vm_hwm_gb(proc.pid))
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.time() > deadline:
-            proc.kill()
-            pid, status, usage = os.wait4(proc.pid, 0)
-            break
-        time.sleep(0.05)
+    status, usage, hwm = wait_with_peak(proc, deadline=launched + timeout)
     log.close()
     rc = os.waitstatus_to_exitcode(status)
     proc.returncode = rc
@@ -229,19 +219,8 @@ def run_side(side: str, work: str, model_dir: str, data: str | None, point: dict
     marks = res.pop("step_end_times")
     res.pop("peak_rss_gb", None)  # the process's own figure; wait4 below is the same kind for every side
     return {**res, "step_end_times": marks, "time_to_first_step_s": marks[0] - launched if marks else None,
-            "peak_rss_gb": hwm or usage.ru_maxrss / 2**20}
+            "peak_rss_gb": hwm}
 
-
-def vm_hwm_gb(pid: int) -> float:
-    """The process's own peak RSS (``VmHWM``; 0 once it is gone). ``wait4``'s ``ru_maxrss`` is no good
-    here: Linux carries the high-water mark across fork + exec, so a child reads at least this driver's
-    RSS at the fork (~0.47 GB: torch, transformers and DeepSpeed imported)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            line = next((x for x in f if x.startswith("VmHWM:")), "")
-    except OSError:
-        return 0.0
-    return int(line.split()[1]) / 2**20 if line else 0.0
 
 
 def summarise(runs: list[dict], warmup: int) -> dict:
