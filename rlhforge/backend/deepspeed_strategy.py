@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from rlhforge.backend.device import destroy_group_at_exit, dist_info, resolve_device, resolve_dtype, single_process_env
+from rlhforge.backend.device import (destroy_group_at_exit, dist_info, release_deepspeed_groups, resolve_device,
+                                    resolve_dtype, single_process_env)
 from rlhforge.backend.optim import build_optimizer, build_scheduler, optimizer_param_groups
 from rlhforge.backend.guards import all_ranks_finite, grads_finite, poison_nonfinite
 from rlhforge.backend.strategy import all_reduce_tensor
@@ -36,11 +37,7 @@ def drop_stale_deepspeed_groups() -> None:
             return  # still registered: nothing stale
         except (ValueError, RuntimeError):
             pass
-    release = getattr(groups, "_release_process_group_references", None)
-    if release is not None:
-        release()
-    else:  # older DeepSpeed: the world clone is what goes stale
-        groups._WORLD_GROUP = None
+    release_deepspeed_groups()
 
 
 def deepspeed_config(ds_cfg, optim_cfg, dtype: torch.dtype, micro_batch_size: int, grad_accum_steps: int) -> dict:

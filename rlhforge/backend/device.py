@@ -76,16 +76,28 @@ def _destroy_process_group() -> None:
     """Shut every group down and drop the references that would keep their gloo threads alive into the
     interpreter's teardown: DeepSpeed's cached groups, and groups held only by reference cycles."""
     import gc
-    import sys
 
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    release = getattr(sys.modules.get("deepspeed.utils.groups"), "_release_process_group_references", None)
+    release_deepspeed_groups()
+    gc.collect()
+
+
+def release_deepspeed_groups() -> None:
+    """Drop DeepSpeed's references to its cached process groups (``deepspeed.utils.groups``), if it is
+    loaded: ``_release_process_group_references``; older DeepSpeed: its world clone, the one that matters."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    release = getattr(groups, "_release_process_group_references", None)
     if release is not None:
         release()
-    gc.collect()
+    else:
+        groups._WORLD_GROUP = None
 
 
 def single_process_env() -> None:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 from rlhforge.distributed.groups import WorkerError
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
 from rlhforge.rollout.vllm_engine import EngineRouter, vllm_dtype
-from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes, user_kv_cache_space
+from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes
 
 __all__ = ["EngineHost", "EngineActors", "build_engine_actors"]
 
@@ -335,9 +335,7 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
     cpu = placement.device != "cuda"
     dtype = vllm_dtype(cfg.ds.param_dtype, cpu=cpu)
     env = {"RLHFORGE_RAY_WORKER": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    kv_cache_bytes = engine_kv_cache_bytes(cfg, dtype, max_model_len) if cpu else None
-    if cpu and kv_cache_bytes is None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = user_kv_cache_space() or "1"
+    kv_cache_bytes = engine_kv_cache_bytes(cfg, dtype, max_model_len) if cpu else None  # (VLLMEngine sets the env)
     remote = ray.remote(EngineHost)
     backend = "gloo" if cpu else v.sync_backend
 
