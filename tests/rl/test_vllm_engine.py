@@ -61,6 +61,21 @@ def test_sampled_logprobs_match_the_trainer_fp32_forward(engine, tok, tiny_model
         assert alone.token_ids == outs[1].token_ids
 
 
+def test_a_cpu_engine_compiles_nothing(engine, tok):
+    """vLLM compiles its sampled-token rank count with inductor on first use (~3 s in a process's first
+    generation); rlhforge's CPU engine runs eagerly: no graph is compiled and the calls give back the
+    process's torch.compile setting."""
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["stats"])
+    prompts = _prompts(tok, TEXTS)
+    outs = asyncio.run(engine.generate(prompts, [SamplingParams(max_new_tokens=6, temperature=1.0, seed=s)
+                                                 for s in range(len(prompts))]))
+    assert all(len(o.logprobs) == len(o.token_ids) > 0 for o in outs)
+    assert dict(counters["stats"]) == before and not counters["stats"].get("unique_graphs")
+    assert torch._dynamo.config.disable is False
+
+
 def test_stop_tokens_and_finish_reasons(engine, tok):
     prompt = _prompts(tok, ["What is 1 + 2?"])
     greedy = asyncio.run(engine.generate(prompt, [SamplingParams(max_new_tokens=5, temperature=0.0)]))[0]
