@@ -202,7 +202,7 @@ class VllmConfig:
     enable_sleep: bool = False
     """Sleep vLLM between generation phases (GPU only: vLLM's CPU build has no sleep mode)."""
     gpu_memory_utilization: float = 0.95
-    """vLLM's GPU memory fraction (ignored on CPU: there the KV cache is sized to the rollout, 64 MiB-1 GiB, or
+    """vLLM's GPU memory fraction (ignored on CPU: there the KV cache is sized to the rollout, 16 MiB-1 GiB, or
     ``VLLM_CPU_KVCACHE_SPACE`` GiB when set; rollout/vllm_memory.py)."""
 
 

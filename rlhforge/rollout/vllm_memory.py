@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 
-MIN_BYTES = 64 << 20
+MIN_BYTES = 16 << 20  # room for a few 128-token blocks of any model: vLLM needs max_model_len for one
 MAX_BYTES = 1 << 30
 BLOCK = 128  # the CPU build's KV block, in tokens
 _IN_FLIGHT_BATCHES = 2  # a step's rollout plus the next one (async training, retries)

@@ -24,8 +24,11 @@ def test_bytes_per_token_and_the_size_between_its_bounds():
     assert kv_bytes_per_token(BENCH, "bfloat16") == 2048
     # 100 sequences of 1024 tokens: 8 blocks of 128 + 1 spare each = 1152 tokens
     assert cpu_kv_cache_bytes(BENCH, "float32", 1024, 100) == 100 * 1152 * 4096 == 471_859_200
-    # 32 sequences of 192 tokens: (2 + 1) blocks each -> 12.6 MB, raised to the floor
-    assert 32 * 384 * 4096 < MIN_BYTES == cpu_kv_cache_bytes(BENCH, "float32", 192, 32)
+    # 32 sequences of 192 tokens: (2 + 1) blocks each -> 48 MiB in fp32, 24 MiB in bf16
+    assert cpu_kv_cache_bytes(BENCH, "float32", 192, 32) == 32 * 384 * 4096 == 48 << 20
+    assert cpu_kv_cache_bytes(BENCH, "bfloat16", 192, 32) == 24 << 20
+    # 4 sequences of 192 tokens in bf16: 3 MiB, raised to the floor (16 MiB)
+    assert 4 * 384 * 2048 < MIN_BYTES == cpu_kv_cache_bytes(BENCH, "bfloat16", 192, 4) == 16 << 20
     assert cpu_kv_cache_bytes(BENCH, "float32", 4096, 2000) == MAX_BYTES  # capped at the old fixed 1 GiB
 
 
@@ -83,6 +86,6 @@ def test_a_sized_engine_holds_that_cache_and_generates_the_same(vllm, tiny_model
 
     sized, fixed = run(MIN_BYTES), run(0)
     assert sized["bytes"] == MIN_BYTES and fixed["bytes"] == MAX_BYTES
-    assert sized["blocks"] * 128 * per_token == MIN_BYTES and fixed["blocks"] == sized["blocks"] * 16
+    assert sized["blocks"] * 128 * per_token == MIN_BYTES and fixed["blocks"] == sized["blocks"] * 64
     assert sized["tokens"] == fixed["tokens"] and all(len(t) > 0 for t in sized["tokens"])
-    assert fixed["rss_gb"] - sized["rss_gb"] > 0.7  # the 1 GiB cache was resident; 64 MiB now
+    assert fixed["rss_gb"] - sized["rss_gb"] > 0.7  # the 1 GiB cache was resident; 16 MiB now
