@@ -4,7 +4,8 @@ vLLM's CPU build reserves its whole KV cache at start-up (``VLLM_CPU_KVCACHE_SPA
 ``kv_cache_memory_bytes``) and writes it, so all of it is resident. A fixed 1 GiB is ~100x what a
 small model's rollout needs (16 sequences of 192 tokens of a 4-layer model with 4 KV heads of 32 dims
 in fp32 need 12 MiB), and it is most of the engine's memory. Here the cache holds the sequences one
-engine can have in flight at full ``max_model_len``, with a spare block each. The size is at least
+engine can have in flight at full ``max_model_len``, with a spare block each: one generation call's
+samples in a synchronous run (they never need preempting), two with async training. The size is at least
 :data:`MIN_BYTES` and at most :data:`MAX_BYTES` (the former fixed size). A run that goes over this only
 queues: vLLM schedules what fits and preempts the rest, it does not fail. ``VLLM_CPU_KVCACHE_SPACE``,
 when the user sets it, is used as is.
@@ -18,7 +19,6 @@ import os
 MIN_BYTES = 16 << 20  # room for a few 128-token blocks of any model: vLLM needs max_model_len for one
 MAX_BYTES = 1 << 30
 BLOCK = 128  # the CPU build's KV block, in tokens
-_IN_FLIGHT_BATCHES = 2  # a step's rollout plus the next one (async training, retries)
 
 
 def user_kv_cache_space() -> str | None:
@@ -44,10 +44,13 @@ def cpu_kv_cache_bytes(config, dtype: str, max_model_len: int, max_seqs: int) ->
 
 
 def rollout_seqs_per_engine(cfg) -> int:
-    """Sequences one engine can be asked for at once: a rollout batch's samples over the engines, times
-    the batches that can be in flight."""
-    n = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-    return math.ceil(n / max(1, cfg.vllm.num_engines or 1)) * _IN_FLIGHT_BATCHES
+    """Sequences one engine can be asked for at once: one generation call's samples over the engines
+    (``rollout.batch_size`` prompts, or ``rollout.vllm_generate_batch_size`` when it oversamples), twice
+    that with ``--train.async_enable`` (the next batch may be on its way while this one finishes)."""
+    prompts = max(cfg.rollout.batch_size, cfg.rollout.vllm_generate_batch_size or 0)
+    n = prompts * cfg.rollout.n_samples_per_prompt
+    in_flight = 2 if cfg.train.async_enable else 1
+    return math.ceil(n / max(1, cfg.vllm.num_engines or 1)) * in_flight
 
 
 def engine_kv_cache_bytes(cfg, dtype: str, max_model_len: int) -> int | None:

@@ -38,14 +38,17 @@ def _cfg(tiny_model_dir, **overrides):
 
 
 def test_the_rollout_sets_the_sequences_and_the_users_setting_wins(tiny_model_dir, monkeypatch):
-    assert rollout_seqs_per_engine(_cfg(tiny_model_dir)) == 16 * 8 * 2
-    assert rollout_seqs_per_engine(_cfg(tiny_model_dir, **{"vllm.num_engines": 3})) == 43 * 2  # ceil(128 / 3)
+    assert rollout_seqs_per_engine(_cfg(tiny_model_dir)) == 16 * 8
+    assert rollout_seqs_per_engine(_cfg(tiny_model_dir, **{"vllm.num_engines": 3})) == 43  # ceil(128 / 3)
+    # async: the next batch may be generated while this one finishes; oversampling: a call's prompts
+    assert rollout_seqs_per_engine(_cfg(tiny_model_dir, **{"train.async_enable": True})) == 16 * 8 * 2
+    assert rollout_seqs_per_engine(_cfg(tiny_model_dir, **{"rollout.vllm_generate_batch_size": 24})) == 24 * 8
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     sized = engine_kv_cache_bytes(_cfg(tiny_model_dir, **{"rollout.batch_size": 4}), "float32", 2048)
-    assert sized == cpu_kv_cache_bytes(config, "float32", 2048, 4 * 8 * 2)
+    assert sized == cpu_kv_cache_bytes(config, "float32", 2048, 4 * 8)
     assert MIN_BYTES < sized < MAX_BYTES
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert engine_kv_cache_bytes(_cfg(tiny_model_dir), "float32", 2048) is None
