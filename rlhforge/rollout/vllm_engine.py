@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import threading
 from typing import Iterable, Iterator, Sequence
@@ -115,6 +116,18 @@ def _cpu_eager():
 
     with torch._dynamo.config.patch(disable=True):
         yield
+
+
+def _freeze_heap() -> None:
+    """Collect once, then move every object this process holds out of the collector's sight (``gc.freeze``).
+
+    An engine in the trainer's process starts in a large heap (torch, transformers, the trainer's
+    objects), and vLLM's start-up runs full collections over all of it: two in its model loader and one
+    before it freezes the heap itself, plus the automatic ones while its modules import. On CPU that was
+    ~0.7 s each. Once the heap is frozen they only see what vLLM creates. It is what vLLM does at the end
+    of its start-up in any case (``freeze_gc_heap``: collect, then freeze), only earlier."""
+    gc.collect()
+    gc.freeze()
 
 
 def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
@@ -188,6 +201,7 @@ class VLLMEngine:
         with self._lock:
             try:
                 os.environ.update(env)
+                _freeze_heap()
                 with _cpu_eager() if cpu else contextlib.nullcontext():
                     self.llm = vllm.LLM(**kwargs)
             finally:

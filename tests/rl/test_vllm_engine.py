@@ -76,6 +76,44 @@ def test_a_cpu_engine_compiles_nothing(engine, tok):
     assert torch._dynamo.config.disable is False
 
 
+START_CHILD = """
+import gc, json, sys
+import vllm
+from transformers import AutoTokenizer
+from rlhforge.rollout.vllm_engine import VLLMEngine
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+heap = len(gc.get_objects())  # what the process holds before the engine (a trainer's heap, in a run)
+full, inside = [], []  # the frozen count at each full collection while vllm.LLM starts
+gc.callbacks.append(lambda phase, info: inside and phase == "start" and info["generation"] == 2
+                    and full.append(gc.get_freeze_count()))
+init = vllm.LLM.__init__
+def traced(self, *a, **k):
+    inside.append(1)
+    try:
+        init(self, *a, **k)
+    finally:
+        inside.clear()
+vllm.LLM.__init__ = traced
+engine = VLLMEngine.from_tokenizer(sys.argv[1], tok, max_model_len=128)
+print(json.dumps({"heap": heap, "frozen_at_full_collections": full}))
+"""
+
+
+def test_the_engine_start_does_not_rescan_the_processs_heap(tiny_model_dir):
+    """vLLM's start-up runs full collections (two in its model loader, one before it freezes the heap);
+    the engine freezes what the process held first, so none of them walks the trainer's objects."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", START_CHILD, str(tiny_model_dir)], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(got["frozen_at_full_collections"]) >= 3  # vLLM's own
+    assert min(got["frozen_at_full_collections"]) >= 0.9 * got["heap"]
+
+
 def test_stop_tokens_and_finish_reasons(engine, tok):
     prompt = _prompts(tok, ["What is 1 + 2?"])
     greedy = asyncio.run(engine.generate(prompt, [SamplingParams(max_new_tokens=5, temperature=0.0)]))[0]
