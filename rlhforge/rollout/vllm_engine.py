@@ -174,8 +174,9 @@ class VLLMEngine:
         with self._lock:
             try:
                 os.environ.update(env)
-                freeze_heap()
-                with cpu_eager() if cpu else contextlib.nullcontext():
+                if self.in_process:  # vLLM's start-up (and its own heap freeze) runs in this process
+                    freeze_heap()
+                with cpu_eager() if cpu and self.in_process else contextlib.nullcontext():
                     self.llm = vllm.LLM(**kwargs)
             finally:
                 self._threads = torch.get_num_threads()  # what vLLM's kernels were set up with
