@@ -4,6 +4,8 @@
                                           [--out benchmarks/results/generation.json]
     python benchmarks/bench_generation.py --kv-cache-ab [--prompts 16] [--new 64] [--repeats 15] [--threads 1]
                                           [--out benchmarks/results/generation_kv_cache.json]
+    python benchmarks/bench_generation.py --decode-kernel-ab [--prompts 128] [--new 64] [--precision bf16]
+                                          [--out benchmarks/results/generation_decode_kernel.json]
 
 Needs an environment with vLLM (see docs/vllm.md); without one only the HF engine is measured.
 Builds a tiny Llama (hidden 256, 4 layers, 8 heads of 32, ~1k vocabulary; wider than the test
@@ -16,8 +18,8 @@ vLLM start-up time. Both engines decode in fp32 in this process.
 
 ``--kv-cache-ab`` instead times the HF engine's decode loop before / after issue #13: ``before``
 (transformers' DynamicCache and SDPA: ``kv_cache="dynamic", native_gqa=False``), ``cache_only``
-(rlhforge.rollout.kv_cache's preallocated cache) and ``after`` (the defaults: that cache and
-rlhforge.rollout.decode_attention's native grouped-query attention), same model, random prompts of
+(rlhforge.rollout.kv_cache's preallocated cache) and ``after`` (that cache, rlhforge.rollout.decode_attention's
+native grouped-query attention and the lean step with ``decode_kernel="sdpa"``), same model, random prompts of
 20-40 tokens, every row decoding all ``--new`` tokens (no eos). Decode time = time(``--new`` tokens) -
 time(1 token: the prefill and its sample), wall and this process's CPU time; rounds rotate the
 variants' order and the medians are recorded with every run and the load average, since other
@@ -25,6 +27,12 @@ processes share the machine. Also checks all variants give the same tokens and l
 ``--kv-cache-ab --per-step`` times the model's decoding forward alone, the variants interleaved step
 by step over the same inputs (each its own cache from the same prefill): the finest A/B on a busy
 machine (``per_step`` in the JSON: median over rounds of the mean ms per step).
+
+``--decode-kernel-ab`` times the same decode loop with the lean step's two attention kernels,
+``decode_kernel="sdpa"`` (CPU's fused SDPA) and ``"bmm"`` (batched matmuls, the default), in the same way;
+``--precision bf16`` gives the engine bf16 weights (its KV cache stays fp32), as a bf16 run does. In fp32
+the two must give the same tokens and log-probs within 1e-5 (else exit 1); in bf16 the JSON records how
+many rows got the same tokens and the largest log-prob gap over those (bf16 rounds the attention's output).
 """
 
 from __future__ import annotations
@@ -54,8 +62,10 @@ def main() -> int:
                                                 "(--kv-cache-ab: generation_kv_cache.json)")
     ap.add_argument("--kv-cache-ab", action="store_true", help="time the HF engine's decode loop per KV cache")
     ap.add_argument("--per-step", action="store_true", help="with --kv-cache-ab: also interleave single steps")
+    ap.add_argument("--decode-kernel-ab", action="store_true", help="time the lean decoding step's sdpa vs bmm attention")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="with --decode-kernel-ab")
     args = ap.parse_args()
-    if args.kv_cache_ab:
+    if args.kv_cache_ab or args.decode_kernel_ab:
         return kv_cache_ab(args)
     args.out = args.out or str(ROOT / "benchmarks/results/generation.json")
 
@@ -128,7 +138,8 @@ def _bench_model():
 
 
 def kv_cache_ab(args) -> int:
-    """Decode time of the HF engine with DynamicCache vs the preallocated cache (medians of ABBA rounds)."""
+    """Decode time of the HF engine with DynamicCache vs the preallocated cache, or (``--decode-kernel-ab``) with
+    the lean step's sdpa vs bmm attention (medians of rounds in rotating order)."""
     import statistics
 
     import torch
@@ -140,12 +151,16 @@ def kv_cache_ab(args) -> int:
     from rlhforge.rollout.hf_engine import HFEngine
 
     spec, model_dir = _bench_model()
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    kernels = getattr(args, "decode_kernel_ab", False)
+    bf16 = kernels and args.precision == "bf16"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(rng.randint(20, 40))] for _ in range(args.prompts)]
     never = spec.vocab_size + 1  # an eos outside the vocabulary: every row decodes all --new tokens
-    variants = {"before": dict(kv_cache="dynamic", native_gqa=False),
-                "cache_only": dict(kv_cache="preallocated", native_gqa=False), "after": {}}
+    variants = ({"sdpa": dict(decode_kernel="sdpa"), "bmm": dict(decode_kernel="bmm")} if kernels else
+                {"before": dict(kv_cache="dynamic", native_gqa=False),
+                 "cache_only": dict(kv_cache="preallocated", native_gqa=False, decode_kernel="sdpa"),
+                 "after": dict(decode_kernel="sdpa")})
     kinds = tuple(variants)
     engines = {k: HFEngine(model, pad_token_id=0, eos_token_id=never, batch_size=args.prompts, **kw)
                for k, kw in variants.items()}
@@ -157,8 +172,14 @@ def kv_cache_ab(args) -> int:
         return time.perf_counter() - t0, time.process_time() - c0, outs
 
     outs = {k: timed(e, args.new)[2] for k, e in engines.items()}  # warm-up, and the equivalence check
-    same = all(a.token_ids == b.token_ids and a.logprobs == b.logprobs
-               for other in kinds[1:] for a, b in zip(outs["before"], outs[other]))
+    base = kinds[0]
+    pairs = [(a, b) for other in kinds[1:] for a, b in zip(outs[base], outs[other])]
+    same_rows = [(a, b) for a, b in pairs if a.token_ids == b.token_ids]
+    gap = max((abs(x - y) for a, b in same_rows for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
+    if kernels:  # fp32: float rounding only; bf16: recorded, not checked
+        same = bf16 or (len(same_rows) == len(pairs) and gap <= 1e-5)
+    else:
+        same = len(same_rows) == len(pairs) and all(a.logprobs == b.logprobs for a, b in pairs)
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     load_before = os.getloadavg()
     for r in range(args.repeats):
@@ -167,12 +188,15 @@ def kv_cache_ab(args) -> int:
             prefill, prefill_cpu, _ = timed(engines[k], 1)
             runs[k].append({"total_s": total, "prefill_s": prefill, "decode_s": total - prefill,
                             "decode_cpu_s": total_cpu - prefill_cpu})
-    result = {"mode": "kv_cache_ab", "batch": args.prompts, "new_tokens": args.new, "threads": args.threads,
+    result = {"mode": "decode_kernel_ab" if kernels else "kv_cache_ab", "batch": args.prompts,
+              "precision": "bf16" if bf16 else "fp32", "rows_with_the_same_tokens": f"{len(same_rows)}/{len(pairs)}",
+              "max_logprob_gap": gap, "new_tokens": args.new, "threads": args.threads,
               "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts), "max_prompt_tokens": max(map(len, prompts)),
               "model": {"hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_hidden_layers,
                         "heads": spec.num_attention_heads, "kv_heads": spec.num_key_value_heads,
                         "vocab": spec.vocab_size},
-              "same_tokens_and_logprobs": same, "repeats": args.repeats,
+              "check": ("recorded only (bf16)" if bf16 else "same tokens, log-probs within 1e-5" if kernels
+                        else "bit-identical tokens and log-probs"), "check_passed": same, "repeats": args.repeats,
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
               "variants": {}}
@@ -184,14 +208,14 @@ def kv_cache_ab(args) -> int:
         result["variants"][k] = {"median": med, "runs": runs[k]}
         print(f"{k}: decode {med['decode_ms_per_step']:.2f} ms/step wall, {med['decode_cpu_ms_per_step']:.2f} "
               f"CPU (median of {args.repeats}), total {med['total_s']:.3f} s", file=sys.stderr)
-    before = result["variants"]["before"]["median"]
+    before = result["variants"][base]["median"]
     for k in kinds[1:]:
         result[f"decode_speedup_{k}"] = {m: before[m] / result["variants"][k]["median"][m]
                                          for m in ("decode_s", "decode_cpu_s")}
-    if args.per_step:
+    if args.per_step and not kernels:
         result["per_step"] = _interleaved_steps(model, prompts, args.new, args.repeats)
         print("per step (forward only, interleaved):", result["per_step"]["median_ms"], file=sys.stderr)
-    out = Path(args.out or ROOT / "benchmarks/results/generation_kv_cache.json")
+    out = Path(args.out or ROOT / f"benchmarks/results/generation_{'decode_kernel' if kernels else 'kv_cache'}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "variants"}, indent=2))

@@ -60,7 +60,8 @@ class HFEngine:
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | Sequence[int],
                  batch_size: int = 64, record_routing: bool = False, image_token_id: int | None = None,
                  banned_token_ids: Sequence[int] = (), kv_cache: str = "preallocated", native_gqa: bool = True,
-                 shared_prefill: bool = True, padding_mask_4d: bool = True, fast_decode: bool = True):
+                 shared_prefill: bool = True, padding_mask_4d: bool = True, fast_decode: bool = True,
+                 decode_kernel: str = "bmm"):
         if kv_cache not in ("preallocated", "dynamic"):
             raise ValueError(f"kv_cache must be 'preallocated' or 'dynamic', got {kv_cache!r}")
         self.model = model.eval()
@@ -90,7 +91,13 @@ class HFEngine:
         models: a one-token query's causal mask is the padding mask), not rebuilt by transformers."""
         self.fast_decode = fast_decode and self.padding_mask_4d and self.kv_cache == "preallocated"
         """Decoding steps of plain decoder LMs skip transformers' forward machinery
-        (:class:`rlhforge.rollout.fast_decode.FastDecoder`: the model's own submodules, bit-identical logits)."""
+        (:class:`rlhforge.rollout.fast_decode.FastDecoder`: the model's own submodules; bit-identical logits
+        with ``decode_kernel="sdpa"``, equal up to float rounding with the default)."""
+        if decode_kernel not in ("bmm", "sdpa"):
+            raise ValueError(f"decode_kernel must be 'bmm' or 'sdpa', got {decode_kernel!r}")
+        self.decode_kernel = decode_kernel
+        """The lean decoding step's attention: ``bmm`` (batched matmuls, ~2x faster than CPU's fused SDPA at
+        128 rows; equal up to float rounding) or ``sdpa`` (bit-identical to transformers' forward)."""
         low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
         plain = self.native_gqa and self.padding_mask_4d and self.kv_cache == "preallocated"  # plain causal sdpa
         self.cache_dtype = torch.float32 if low and self.device.type == "cpu" and plain else None
@@ -222,7 +229,7 @@ class HFEngine:
         if self.fast_decode and not pixels and route is None:
             from rlhforge.rollout.fast_decode import FastDecoder
 
-            fast = FastDecoder.build(self.model)  # per batch: it holds the current parameter tensors
+            fast = FastDecoder.build(self.model, self.decode_kernel)  # per batch: the current parameter tensors
         for t in range(steps):
             step_attn, step_pos = attn, position
             if t > 0 and self.padding_mask_4d:
