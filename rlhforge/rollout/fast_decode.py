@@ -14,12 +14,12 @@ are ``self_attn`` (``q/k/v/o_proj``, optional ``q_norm``/``k_norm``) + ``mlp`` w
 (:func:`rlhforge.models.segment_attention.plain_causal`), sdpa, no MoE routing records and no images:
 Llama, Qwen2, Qwen3, Mistral without a window, Phi-3 is not (fused projections) and keeps the forward.
 
-**Attention** (``attention``): ``"bmm"`` (the default) attends with :func:`grouped_decode_attention`, three
-batched matmul-class calls over the cache's own strided views; ``"sdpa"`` with
+**Attention** (``attention``): ``"bmm"`` (the default) attends on CPU with :func:`grouped_decode_attention`,
+three batched matmul-class calls over the cache's own strided views (other devices keep SDPA); ``"sdpa"`` with
 ``scaled_dot_product_attention(..., enable_gqa=True)``, bit-identical to transformers' forward. On CPU the
 fused SDPA kernel pays a fixed cost per (row, head) for a one-token query: at 128 rows of ~100 cached
-tokens (the benchmark's model, 1 thread) it takes 2.0 ms a layer against 0.84 ms for the matmuls, which
-read the cache once at memory speed. The two differ by float rounding only (~5e-7 in the attention
+tokens (the benchmark's model, fp32 cache, 1 thread) it takes 1.0-1.7 ms a layer against 0.74-0.99 ms for
+the matmuls, which read the cache about once. The two differ by float rounding only (~5e-7 in the attention
 output); ``tests/rl/test_engine_cache.py`` holds the ``sdpa`` path to transformers bit for bit and the
 ``bmm`` path to it within 1e-5 in the log-probs, with the same tokens.
 """
@@ -125,7 +125,7 @@ class FastDecoder:
                 q, k = p["q_norm"](q), p["k_norm"](k)
             q, k = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             k, v = cache.update(k, v.transpose(1, 2), i)
-            if self.attention == "bmm":
+            if self.attention == "bmm" and k.device.type == "cpu":
                 if bias is None or bias.shape[0] != b * k.shape[1]:
                     bias = padding_bias(mask, k.shape[1], k.dtype)
                 out = grouped_decode_attention(q.to(k.dtype), k, v, bias, p["scaling"]).to(h.dtype)
