@@ -134,13 +134,35 @@ def _targets(seqs: list[list[int]], prompt_lens: list[int]):
     return torch.cat([torch.tensor([0.0] * p + [1.0] * (len(s) - p)) for s, p in zip(seqs, prompt_lens)])
 
 
+def _padded_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int):
+    """(ids, attention mask, completion-token targets), each [B, longest], right-padded."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    target = torch.zeros(len(seqs), width)
+    for i, (seq, p) in enumerate(zip(seqs, prompt_lens)):
+        ids[i, : len(seq)], attn[i, : len(seq)], target[i, p : len(seq)] = torch.tensor(seq), 1, 1.0
+    return ids, attn, target
+
+
 # ---------------------------------------------------------------------------------------------- the loops
 def run_bare(work: str, model_dir: str, data: str | None, point: dict, steps: int, lr: float = 1e-5,
-             seed: int = 0, precision: str = "fp32") -> dict:
+             seed: int = 0, precision: str = "fp32", sft_layout: str = "packed", compiled: bool = False) -> dict:
     """Run ``steps`` optimizer steps of ``work`` and return step-end timestamps (``time.time()``).
 
     ``precision="bf16"``: fp32 weights, the training (and reference) forwards under bf16 autocast, as
-    rlhforge's ``--ds.param_dtype bf16`` and TRL's ``bf16=True`` on CPU; generation stays fp32."""
+    rlhforge's ``--ds.param_dtype bf16`` and TRL's ``bf16=True`` on CPU; generation stays fp32.
+    ``sft_layout="padded"``: the SFT batch padded to its longest sample instead of packed (TRL's
+    layout), its forward and loss under ``torch.compile`` when ``compiled`` (``bench_compile.py``)."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"unknown precision {precision!r} (fp32, bf16)")
+    if sft_layout not in ("packed", "padded"):
+        raise ValueError(f"unknown sft_layout {sft_layout!r} (packed, padded)")
+    if compiled and (work, sft_layout) != ("sft", "padded"):
+        raise ValueError("compiled=True needs work='sft' and sft_layout='padded' (the packed attention "
+                         "loops over the sample lengths: a new graph per batch)")
     import contextlib
 
     import torch
@@ -153,8 +175,6 @@ def run_bare(work: str, model_dir: str, data: str | None, point: dict, steps: in
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     marks: list[float] = []
     extra: dict = {}
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"unknown precision {precision!r} (fp32, bf16)")
 
     def amp():
         if precision == "fp32":
@@ -172,9 +192,20 @@ def run_bare(work: str, model_dir: str, data: str | None, point: dict, steps: in
         batch, max_len = point["batch"], point["max_len"]
         records = read_jsonl(data)
         enc = [_chat(tok, r["prompt"], r["completion"], max_len) for r in records[: batch * steps]]
+
+        def padded_loss(ids, attn, target):
+            with amp():
+                logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+            return -(logp * target[:, 1:]).sum() / target[:, 1:].sum()
+
+        padded_loss_fn = torch.compile(padded_loss) if compiled else padded_loss
         for s in range(steps):
             chunk = enc[s * batch : (s + 1) * batch]
             seqs, plens = [c[0] for c in chunk], [c[1] for c in chunk]
+            if sft_layout == "padded":
+                step(padded_loss_fn(*_padded_batch(seqs, plens, tok.pad_token_id)))
+                continue
             mask = _targets(seqs, plens)
             with amp():
                 logp = _packed_token_logps(model, seqs)

@@ -10,9 +10,10 @@ temporary folder, so the compile cost is the one a first run pays):
 
 - ``eager_packed``: :func:`bench_bare.run_bare` itself, one unpadded row with per-sample attention
   (what rlhforge runs on CPU);
-- ``eager_padded``: the batch padded to its longest sample, one forward/backward (what TRL runs);
-- ``compiled_padded``: the same step with the forward and loss under ``torch.compile`` (inductor,
-  default settings; the backward is compiled with it by AOTAutograd). The packed layout is not
+- ``eager_padded``: ``run_bare(..., sft_layout="padded")``, the batch padded to its longest sample,
+  one forward/backward (what TRL runs);
+- ``compiled_padded``: the same step with its forward and loss under ``torch.compile``
+  (``compiled=True``; inductor, default settings; the backward is compiled with it by AOTAutograd). The packed layout is not
   compiled: its per-sample attention loops over the samples' lengths, a graph break and a new graph
   for every batch.
 
@@ -35,48 +36,6 @@ HERE = Path(__file__).parent
 VARIANTS = ("eager_packed", "eager_padded", "compiled_padded")
 
 
-def _padded_loop(model_dir: str, data: str, batch: int, max_len: int, steps: int, precision: str,
-                 compiled: bool) -> list[float]:
-    import contextlib
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bench_bare import _chat, read_jsonl
-
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-    amp = ((lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16"
-           else contextlib.nullcontext)
-
-    def loss_of(ids, attn, target):
-        with amp():
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-        return -(logp * target[:, 1:]).sum() / target[:, 1:].sum()
-
-    fn = torch.compile(loss_of) if compiled else loss_of
-    enc = [_chat(tok, r["prompt"], r["completion"], max_len) for r in read_jsonl(data)[: batch * steps]]
-    marks = []
-    for s in range(steps):
-        chunk = enc[s * batch : (s + 1) * batch]
-        width = max(len(ids) for ids, _ in chunk)
-        ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        target = torch.zeros(len(chunk), width)
-        for i, (seq, p) in enumerate(chunk):
-            ids[i, : len(seq)], attn[i, : len(seq)], target[i, p : len(seq)] = torch.tensor(seq), 1, 1.0
-        loss = fn(ids, attn, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        marks.append(time.time())
-    return marks
-
-
 def child(args) -> int:
     import torch
 
@@ -84,12 +43,10 @@ def child(args) -> int:
 
     torch.set_num_threads(1)
     start = time.time()
-    if args.child == "eager_packed":
-        marks = run_bare("sft", args.model, args.data, {"batch": args.batch, "max_len": args.max_len},
-                         args.steps + args.warmup, precision=args.precision)["step_end_times"]
-    else:
-        marks = _padded_loop(args.model, args.data, args.batch, args.max_len, args.steps + args.warmup,
-                             args.precision, compiled=args.child == "compiled_padded")
+    marks = run_bare("sft", args.model, args.data, {"batch": args.batch, "max_len": args.max_len},
+                     args.steps + args.warmup, precision=args.precision,
+                     sft_layout="packed" if args.child == "eager_packed" else "padded",
+                     compiled=args.child == "compiled_padded")["step_end_times"]
     print(json.dumps({"first_step_s": marks[0] - start,
                       "seconds_per_step": (marks[-1] - marks[args.warmup - 1]) / args.steps,
                       "peak_rss_gb": peak_rss_gb()}))
