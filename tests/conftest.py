@@ -20,6 +20,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # a child that aborts (a rank under torchrun) prints its Python stacks: where it died, in the test report
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# strict-device mode (rlhforge/backend/strict_device.py) for the suite and every process it starts
+# (torchrun ranks, Ray workers): a host tensor reaching a collective fails here as it would on NCCL
+os.environ.setdefault("RLHFORGE_STRICT_DEVICE", "1")
 
 
 @pytest.fixture(scope="module")

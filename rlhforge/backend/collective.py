@@ -21,6 +21,8 @@ from typing import Iterator
 
 import torch
 
+from rlhforge.backend.strict_device import check, place
+
 __all__ = ["open_group", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
            "stream_buckets", "receive_state", "state_fingerprint", "Fingerprint", "SyncGroup"]
 
@@ -119,16 +121,28 @@ def stream_buckets(named, bucket_bytes: int, device: str | torch.device = "cpu"
     yield (*(pending or ([], None)), True)
 
 
+def _broadcast(pg, tensor: torch.Tensor) -> None:
+    """One broadcast from member 0 of ``pg`` (strict-device mode: ``tensor`` is checked for the group's device)."""
+    check(tensor, pg_backend(pg), "weight-sync broadcast")
+    pg.broadcast(tensor, 0).wait()
+
+
+def pg_backend(pg) -> str | None:
+    """'nccl' or 'gloo' for a group made by :func:`open_group` (None: unknown)."""
+    name = type(pg).__name__.lower()
+    return "nccl" if "nccl" in name else "gloo" if "gloo" in name else None
+
+
 def broadcast_state(pg, named, bucket_bytes: int, device: str = "cpu") -> int:
     """Rank 0's side: stream ``named`` to every member (:func:`stream_buckets`); per bucket, its header
     (names, dtypes, shapes, last-or-not), then its bytes. Returns the number of buckets."""
     sent = 0
     for entries, buf, last in stream_buckets(named, bucket_bytes, device):
-        header = torch.frombuffer(bytearray(pickle.dumps((entries, last))), dtype=torch.uint8).to(device)
-        pg.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=device), 0).wait()
-        pg.broadcast(header, 0).wait()
+        header = place(torch.frombuffer(bytearray(pickle.dumps((entries, last))), dtype=torch.uint8), device)
+        _broadcast(pg, place(torch.tensor([header.numel()], dtype=torch.int64), device))
+        _broadcast(pg, header)
         if entries:
-            pg.broadcast(buf, 0).wait()
+            _broadcast(pg, place(buf, device))
             sent += 1
     return sent
 
@@ -137,14 +151,14 @@ def receive_state(pg, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]
     """Every other member's side: (name, tensor) pairs in the sender's order, one bucket at a time
     (consume the iterator to the end: each bucket is a collective every member takes part in)."""
     while True:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-        pg.broadcast(size, 0).wait()
-        header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        pg.broadcast(header, 0).wait()
+        size = place(torch.zeros(1, dtype=torch.int64), device)
+        _broadcast(pg, size)
+        header = place(torch.empty(int(size.item()), dtype=torch.uint8), device)
+        _broadcast(pg, header)
         entries, last = pickle.loads(header.cpu().numpy().tobytes())
         if entries:
-            buf = torch.empty(sum(_nbytes(d, s) for _, d, s in entries), dtype=torch.uint8, device=device)
-            pg.broadcast(buf, 0).wait()
+            buf = place(torch.empty(sum(_nbytes(d, s) for _, d, s in entries), dtype=torch.uint8), device)
+            _broadcast(pg, buf)
             yield from unpack_bucket(buf, entries)
         if last:
             return

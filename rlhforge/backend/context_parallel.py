@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhforge.backend.ring_attention import RING_ATTN_IMPL, RingLayout, ring_layout_active
+from rlhforge.backend.strict_device import place
 
 __all__ = [
     "RingTopology",
@@ -165,7 +166,7 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, ring_rank, ring_size):
         parts = [torch.empty_like(x) for _ in range(ring_size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        dist.all_gather(parts, place(x.contiguous(), x.device), group=group)  # (marks it in strict mode)
         ctx.ring_rank, ctx.width = ring_rank, x.shape[1]
         return torch.cat(parts, dim=1)
 

@@ -96,6 +96,9 @@ class DeepSpeedStrategy:
             single_process_env()
         drop_stale_deepspeed_groups()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        from rlhforge.backend.strict_device import install
+
+        install()  # RLHFORGE_STRICT_DEVICE=1: collectives checked for the group's device
         destroy_group_at_exit()
         self.engine = None
 
@@ -160,7 +163,7 @@ class DeepSpeedStrategy:
         return {"grad_norm": norm, "lr": float(lr), "skipped": 0.0 if self.engine.was_step_applied() else 1.0}
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return all_reduce_tensor(tensor, op, self.world_size)
+        return all_reduce_tensor(tensor, op, self.world_size, self.device)
 
     def barrier(self) -> None:
         import torch.distributed as dist

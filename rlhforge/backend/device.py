@@ -61,6 +61,9 @@ def init_process_group(device: torch.device, force: bool = False) -> None:
     if (info.world_size > 1 or force) and not dist.is_initialized():
         dist.init_process_group(backend=process_group_backend(device))
         destroy_group_at_exit()
+    from rlhforge.backend.strict_device import install
+
+    install()  # RLHFORGE_STRICT_DEVICE=1 (the tests): rlhforge's collectives checked for the group's device
 
 
 @functools.cache

@@ -107,6 +107,9 @@ class FrozenModel:
             if dist_info().world_size == 1:
                 single_process_env()
             deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+            from rlhforge.backend.strict_device import install
+
+            install()  # RLHFORGE_STRICT_DEVICE=1: collectives checked for the group's device
             destroy_group_at_exit()
         config = frozen_deepspeed_config(ds_cfg, self.dtype, offload=offload)
         if offload and config["zero_optimization"]["stage"] == 3:

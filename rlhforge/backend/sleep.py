@@ -5,8 +5,13 @@ engines take turns on the same devices. While the engines generate, a sleeping t
 only its weights on the device: Adam's moments (2x the fp32 weights, the largest state) wait in
 pinned host memory and come back before the next update.
 
-- DeepSpeed: ``engine.offload_states()`` / ``engine.reload_states()`` (DeepSpeed >= 0.16; states
-  already offloaded by ``--ds.adam_offload`` are left alone).
+- DeepSpeed (ZeRO 1-3): ``engine.offload_states(include=DEEPSPEED_OFFLOAD)`` / ``reload_states()``
+  (DeepSpeed >= 0.16; states already offloaded by ``--ds.adam_offload`` are left alone). The include
+  list is OpenRLHF's: the optimizer states, the fp32 master weights and the contiguous gradient buffer.
+  Never ``lp_params``: DeepSpeed's default (everything) also moves the training-dtype parameters, which
+  ZeRO-3 gathers for the weight sync and generation (a crash at the first sync), nor ``lp_grads``.
+  The trainer offloads once right after start-up (the engines wake into the room it leaves) and then
+  around every update (trainers/rl.py).
 - Plain torch: every optimizer state tensor is moved to CPU and back.
 - On a CPU device there is nowhere to offload to: both calls report ``{"moved_bytes": 0}``.
   The GPU paths are tested where a GPU is available (``tests/rl/test_sleep.py``, marked ``gpu``).
@@ -16,7 +21,47 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["offload_states", "reload_states", "move_optimizer_states"]
+__all__ = ["offload_states", "reload_states", "move_optimizer_states", "DEEPSPEED_OFFLOAD", "deepspeed_offload_kwargs",
+           "deepspeed_sleep"]
+
+# what a sleeping DeepSpeed trainer moves to host memory (OffloadStateTypeEnum values); lp_params and
+# lp_grads stay on the device (see the module docstring)
+DEEPSPEED_OFFLOAD = ("optim_states", "hp_params", "contiguous_grad_buffer")
+
+
+def deepspeed_offload_kwargs(pin_memory: bool = True) -> dict:
+    """The arguments of ``engine.offload_states`` for ``--ds.enable_sleep``."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+    return {"include": [OffloadStateTypeEnum(v) for v in DEEPSPEED_OFFLOAD], "device": OffloadDeviceEnum.cpu,
+            "pin_memory": pin_memory, "non_blocking": False}
+
+
+def deepspeed_sleep(engine, zero_stage: int, to_host: bool, pin_memory: bool = True) -> list[str]:
+    """Offload (``to_host``) or reload a DeepSpeed engine's states as ``--ds.enable_sleep`` does (ZeRO 1-3);
+    returns what was asked to move. ZeRO-3's ``offload_states`` moves the optimizer states and master
+    weights of DeepSpeed's FusedAdam only (it asserts so); with another optimizer (rlhforge's torch AdamW,
+    Muon) DeepSpeed moves the gradient buffer and the optimizer's own state tensors are moved here (the
+    fp32 master weights, a quarter of the states, stay on the device)."""
+    if zero_stage == 0:
+        raise ValueError("--ds.enable_sleep under DeepSpeed needs --ds.zero_stage 1-3 (its offload_states has no "
+                         "ZeRO-0 optimizer); use --ds.strategy torch for an unsharded actor")
+    inner = getattr(engine.optimizer, "optimizer", None)  # the torch optimizer ZeRO wraps
+    own_states = zero_stage == 3 and type(inner).__name__ != "FusedAdam"
+    device = torch.device(getattr(engine, "device", "cpu"))
+    if not to_host:
+        engine.reload_states()
+        if own_states:
+            move_optimizer_states(inner, device)
+        return []
+    kwargs = deepspeed_offload_kwargs(pin_memory)
+    if own_states:
+        kwargs["include"] = [s for s in kwargs["include"] if s.value == "contiguous_grad_buffer"]
+        move_optimizer_states(inner, "cpu")
+    engine.offload_states(**kwargs)
+    if zero_stage == 3:
+        engine.empty_partition_cache()  # ZeRO-3's gathered-parameter cache: rebuilt by the next forward
+    return [s.value for s in kwargs["include"]] + (["optim_states (torch optimizer)"] if own_states else [])
 
 
 def move_optimizer_states(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:
@@ -40,16 +85,16 @@ def _is_deepspeed(strategy) -> bool:
 
 
 def _move(strategy, to_host: bool) -> dict:
+    if _is_deepspeed(strategy) and strategy.ds_cfg.zero_stage == 0:
+        deepspeed_sleep(strategy.engine, 0, to_host)  # refused with the reason, on any device
     if strategy.device.type == "cpu":
         return {"moved_bytes": 0}
     if _is_deepspeed(strategy):
         if getattr(strategy.ds_cfg, "adam_offload", False):
             return {"moved_bytes": 0}  # the states already live in host memory
+        deepspeed_sleep(strategy.engine, strategy.ds_cfg.zero_stage, to_host)
         if to_host:
-            strategy.engine.offload_states()
             torch.cuda.empty_cache()
-        else:
-            strategy.engine.reload_states()
         return {"moved_bytes": -1}  # DeepSpeed does not report it
     moved = move_optimizer_states(strategy.optimizer, "cpu" if to_host else strategy.device)
     if to_host:

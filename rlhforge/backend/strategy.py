@@ -1,9 +1,8 @@
 """The ``Strategy`` seam: how a model is wrapped, stepped, reduced, gathered and checkpointed.
 
 Trainers talk only to this protocol. The loss contract: a trainer scales each micro-batch's summed
-loss by ``world_size / global_count`` (global token or sample count of the whole optimizer step,
-see ``rlhforge.backend.normalise``); strategies sum gradients over micro-batches and *average* them
-over ranks, so the step's gradient is the gradient of the global mean, whatever the number of
+loss by ``world_size / global_count`` (global token or sample count of the whole optimizer step);
+strategies sum gradients over micro-batches and *average* them over ranks, so the step's gradient is the gradient of the global mean, whatever the number of
 ranks or micro-batches.
 """
 
@@ -73,16 +72,33 @@ def reduce_op(op: str):
     return ops[op]
 
 
-def all_reduce_tensor(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
-    """All-reduce a copy of ``tensor`` (identity on one process). ``mean`` divides the sum."""
+def collective_device() -> torch.device:
+    """The device the default process group's collectives take: the current CUDA device on NCCL, else CPU."""
     import torch.distributed as dist
 
-    out = tensor.detach().clone()
-    if world_size > 1 and dist.is_initialized():
-        dist.all_reduce(out, op=reduce_op(op))
-        if op == "mean":
-            out /= world_size
-    return out
+    from rlhforge.backend.strict_device import backend_device_type
+
+    if dist.is_available() and dist.is_initialized() and backend_device_type(dist.get_backend()) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_tensor(tensor: torch.Tensor, op: str, world_size: int,
+                      device: torch.device | str | None = None) -> torch.Tensor:
+    """All-reduce a copy of ``tensor`` (identity on one process); ``mean`` divides the sum. The copy goes
+    to ``device`` (the group's: a strategy's own device; default :func:`collective_device`) for the
+    collective, so a host tensor is fine on NCCL, and the result comes back on ``tensor``'s device."""
+    import torch.distributed as dist
+
+    from rlhforge.backend.strict_device import place
+
+    if not (world_size > 1 and dist.is_initialized()):
+        return tensor.detach().clone()
+    out = place(tensor.detach().clone(), device if device is not None else collective_device())
+    dist.all_reduce(out, op=reduce_op(op))
+    if op == "mean":
+        out /= world_size
+    return out.to(tensor.device)
 
 
 def barrier(world_size: int) -> None:

@@ -67,7 +67,7 @@ class TorchStrategy:
         return clip_and_step(self._module, self.optimizer, self.scheduler, self.optim_cfg.max_norm)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return all_reduce_tensor(tensor, op, self.world_size)
+        return all_reduce_tensor(tensor, op, self.world_size, self.device)
 
     def barrier(self) -> None:
         barrier(self.world_size)

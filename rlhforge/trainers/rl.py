@@ -158,6 +158,10 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
     def fit(self) -> None:
         cfg, plan = self.cfg, self.plan
         self._maybe_resume()
+        if cfg.ds.enable_sleep:  # states leave the device once now (each update reloads, then offloads them)
+            for g in (self.critic, self.actor):
+                if g is not None:
+                    g.call("offload_states")
         self.sync_weights()
         bar = Progress(plan.total_steps, self.state.global_step,
                        enabled=progress_enabled(cfg.logger.progress_bar, True), desc="rl")
