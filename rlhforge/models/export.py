@@ -53,11 +53,8 @@ def merge_lora(base_dir: str, adapter_dir: str, out_dir: str, dtype: str = "fp32
     return Path(out_dir)
 
 
-def merged_lora_state(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    """A PEFT LoRA model's full state dict (PEFT names) -> the base model's names with every adapter
-    merged, ``W = W_base + scaling * B @ A``, computed out of place (the trained model is untouched).
-    This is what generation engines load after each update (weight sync of a LoRA actor). ``model``
-    is the PEFT model the state came from (for each LoRA layer's scaling)."""
+def _lora_scalings(model) -> dict[str, dict[str, float]]:
+    """``{module name: {adapter: scaling}}`` of a PEFT model's mergeable LoRA layers (refuses the others)."""
     from peft.tuners.lora import LoraLayer
 
     scalings: dict[str, dict[str, float]] = {}
@@ -70,19 +67,60 @@ def merged_lora_state(state: dict[str, torch.Tensor], model) -> dict[str, torch.
                                  "ParamWrapper: MoE experts or router) cannot be merged for weight sync; target "
                                  "nn.Linear modules (the default all-linear does on MoE models)")
             scalings[name] = dict(module.scaling)
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in state.items():
-        if ".lora_" in key:
-            continue
+    return scalings
+
+
+def merged_lora_state(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA model's full state dict (PEFT names) -> the base model's names with every adapter
+    merged, ``W = W_base + scaling * B @ A``, computed out of place (the trained model is untouched).
+    This is what generation engines load after each update (weight sync of a LoRA actor). ``model``
+    is the PEFT model the state came from (for each LoRA layer's scaling)."""
+    return dict(merged_lora_stream(state.items(), model))
+
+
+def merged_lora_stream(named, model):
+    """:func:`merged_lora_state` over a stream of (PEFT name, tensor) pairs, as a stream: each LoRA layer's
+    base weight is held (cloned: a streamed tensor may be freed once the next is asked for) until its
+    adapters' A and B have passed, then yielded merged; every other entry passes straight through under
+    its base-model name. Every rank that streams the same weights yields the same sequence (weight sync
+    by CUDA IPC needs all actor ranks in step: issue 30, bug 6)."""
+    scalings = _lora_scalings(model)
+    pending: dict[str, dict] = {}  # owner -> {"base": tensor, "key": out name, "ab": {part: tensor}}
+
+    def ready(owner: str) -> bool:
+        p = pending[owner]
+        return "base" in p and all(f"{part}.{a}" in p["ab"] for a in scalings[owner] for part in ("lora_A", "lora_B"))
+
+    def merged(owner: str) -> tuple[str, torch.Tensor]:
+        p = pending.pop(owner)
+        out = p["base"].float()
+        for adapter, scale in scalings[owner].items():
+            out = out + scale * (p["ab"][f"lora_B.{adapter}"].float() @ p["ab"][f"lora_A.{adapter}"].float())
+        return p["key"], out.to(p["base"].dtype)
+
+    for key, tensor in named:
         module_name, _, leaf = key.rpartition(".")
+        if ".lora_" in key:  # <owner>.lora_A.<adapter>.weight
+            owner, _, rest = key.partition(".lora_")
+            part, _, adapter_leaf = rest.partition(".")
+            adapter = adapter_leaf.rpartition(".")[0]
+            if owner in scalings and leaf == "weight" and part in ("A", "B"):
+                pending.setdefault(owner, {"ab": {}})["ab"][f"lora_{part}.{adapter}"] = tensor.detach().clone()
+                if ready(owner):
+                    yield merged(owner)
+            continue
         if module_name.endswith(".base_layer"):
             owner = module_name[: -len(".base_layer")]
+            out_key = f"{owner}.{leaf}".removeprefix("base_model.model.")
             if leaf == "weight" and owner in scalings:
-                merged = tensor.float()
-                for adapter, scale in scalings[owner].items():
-                    a, b = state[f"{owner}.lora_A.{adapter}.weight"], state[f"{owner}.lora_B.{adapter}.weight"]
-                    merged = merged + scale * (b.float() @ a.float())
-                tensor = merged.to(tensor.dtype)
-            key = f"{owner}.{leaf}"
-        out[key.removeprefix("base_model.model.")] = tensor
-    return out
+                entry = pending.setdefault(owner, {"ab": {}})
+                entry["base"], entry["key"] = tensor.detach().clone(), out_key
+                if ready(owner):
+                    yield merged(owner)
+                continue
+            yield out_key, tensor
+            continue
+        yield key.removeprefix("base_model.model."), tensor
+    if pending:
+        raise RuntimeError(f"LoRA merge for weight sync: {sorted(pending)[:3]} never got their base weight or "
+                           "adapters (a LoRA layer whose tensors are not all in the stream)")
