@@ -467,6 +467,8 @@ def _validate_vllm(cfg) -> None:
         raise ConfigError(f"--vllm.max_restarts must be >= 0 (got {v.max_restarts})")
     if not v.request_timeout_s > 0:
         raise ConfigError(f"--vllm.request_timeout_s must be > 0 (got {v.request_timeout_s})")
+    if not v.sync_timeout_s > 0:
+        raise ConfigError(f"--vllm.sync_timeout_s must be > 0 (got {v.sync_timeout_s})")
     if v.tensor_parallel_size < 1:
         raise ConfigError(f"--vllm.tensor_parallel_size must be >= 1 (got {v.tensor_parallel_size})")
     if not 0 < v.gpu_memory_utilization <= 1:

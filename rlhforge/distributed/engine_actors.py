@@ -18,7 +18,11 @@ Each engine is one Ray actor (:class:`EngineHost`) that owns one vLLM engine on 
 - **faults**: an engine whose actor died, or whose call did not answer within
   ``--vllm.request_timeout_s``, is killed and restarted on the same bundles (at most
   ``--vllm.max_restarts`` times per engine), loaded with the current weights, and its requests are
-  sent again; until it is back, the other engines serve. Restarts count in
+  sent again; until it is back, the other engines serve. Every weight-sync collective and engine
+  RPC has one deadline, ``--vllm.sync_timeout_s``: an engine that dies or hangs during a sync is
+  restarted the same way, every other engine reloads the current weights through the object store,
+  and the sync group is rebuilt at the next sync (actor rank 0's side of the broken collective
+  returns by the group's own timeout, the same value). Restarts count in
   ``rollout/engine_restarts``. With no engine left the run stops (WorkerError, exit 4) naming each
   engine and its cause.
 """
@@ -71,8 +75,8 @@ class EngineHost:
     def fingerprint(self) -> str | None:
         return self.engine.fingerprint()
 
-    def load_ipc(self, entries: list, handles_by_rank: dict, fingerprint: bool = False, last: bool = False) -> int:
-        return self.engine.load_ipc(entries, handles_by_rank, fingerprint, last)
+    def load_ipc(self, entries: list, handles_by_gpu: dict, fingerprint: bool = False, last: bool = False) -> int:
+        return self.engine.load_ipc(entries, handles_by_gpu, fingerprint, last)
 
     def sleep(self) -> None:
         self.engine.sleep()
@@ -101,11 +105,12 @@ class EngineActors:
 
     def __init__(self, spawn: Callable[[int], Any], num_engines: int, *, tp: int = 1, backend: str = "gloo",
                  bucket_bytes: int = 128 << 20, sync_with_ray: bool = False, max_restarts: int = 1,
-                 timeout_s: float = 600.0, sync_timeout_s: float = 1800.0, ipc_ranks: list[dict] | None = None):
+                 timeout_s: float = 600.0, sync_timeout_s: float = 300.0, ipc: bool = False):
         self.spawn, self.tp, self.backend, self.bucket_bytes = spawn, tp, backend, bucket_bytes
         self.sync_with_ray, self.max_restarts, self.timeout_s = sync_with_ray, max_restarts, timeout_s
-        self.sync_timeout_s = sync_timeout_s
-        self.ipc_ranks = ipc_ranks  # GPU engines on the actor's GPUs: per engine {tp_rank: actor rank}; CUDA IPC
+        self.sync_timeout_s = sync_timeout_s  # --vllm.sync_timeout_s: every sync collective and engine RPC
+        self.start_timeout_s = max(timeout_s, sync_timeout_s)  # an engine's start-up (vLLM loads the model)
+        self.ipc = ipc  # GPU engines on the actor's GPUs: CUDA IPC, each worker takes its own GPU's handle
         self._ipc_members: tuple | None = None
         self.engines = [_Engine(i, spawn(i), tp) for i in range(num_engines)]
         self._group_members: tuple | None = None  # (handles...) of the current sync group
@@ -122,7 +127,7 @@ class EngineActors:
 
         for e in self.engines:
             try:
-                ray.get(e.handle.pid.remote(), timeout=self.sync_timeout_s)
+                ray.get(e.handle.pid.remote(), timeout=self.start_timeout_s)
             except Exception as err:  # noqa: BLE001
                 raise WorkerError(f"vLLM engine {e.index} failed to start: {_cause(err)}") from None
         return self
@@ -208,21 +213,33 @@ class EngineActors:
 
     # -- weight sync ---------------------------------------------------------------------------------
     def sync_from(self, actor) -> None:
-        """Load actor rank 0's current weights into every live engine (``actor``: a RayWorkerGroup)."""
+        """Load actor rank 0's current weights into every live engine (``actor``: a RayWorkerGroup). An
+        engine that dies or hangs meanwhile is restarted (``--vllm.max_restarts``) and every engine gets
+        the current weights through the object store; the sync group is rebuilt at the next sync."""
         self._source = actor
-        fp = self.fingerprint_syncs
         live = [e for e in self.engines if e.alive]
+        try:
+            self.last_fingerprints = self._sync(actor, live, self.fingerprint_syncs)
+        except _SyncFault as fault:
+            self._recover(actor, fault.failed)
+        self.synced_versions += 1
+
+    def _sync(self, actor, live: list[_Engine], fp: bool) -> list:
         actor_side = None  # the actor ranks' calls of the same transfer, waited on with the engines'
         if self.sync_with_ray:
             refs = actor.submit("engine_state_dict")  # every rank gathers; rank 0's result is the state
             pairs = [(e, e.handle.load_state.remote(refs[0], fp)) for e in live]
             actor_side = (actor, refs)
-        elif self.ipc_ranks is not None:
+        elif self.ipc:
             if self._ipc_members != tuple(e.handle for e in live):
-                targets = [(e.handle, self.ipc_ranks[e.index]) for e in live]
+                targets = [(e.index, e.handle) for e in live]
                 actor.wait([actor.hosts[0].run.remote("set_ipc_targets", (targets,), {})], "set_ipc_targets")
                 self._ipc_members = tuple(e.handle for e in live)
-            actor.wait(actor.submit("send_weights_ipc", self.bucket_bytes, fp), "send_weights_ipc")
+            sent = actor.wait(actor.submit("send_weights_ipc", self.bucket_bytes, fp, self.sync_timeout_s),
+                              "send_weights_ipc")[0]  # rank 0 waits on each engine with the deadline
+            failed = {e: sent["failed"][e.index] for e in live if e.index in sent["failed"]}
+            if failed:
+                raise _SyncFault(failed)
             pairs = [(e, e.handle.fingerprint.remote()) for e in live]
         else:
             if self._group_members != tuple(e.handle for e in live):
@@ -230,8 +247,22 @@ class EngineActors:
             sends = actor.submit("send_weights")
             pairs = [(e, e.handle.receive_weights.remote(fp)) for e in live]
             actor_side = (actor, sends)
-        self.last_fingerprints = self._wait(pairs, "weight sync", actor=actor_side)
-        self.synced_versions += 1
+        return self._wait(pairs, "weight sync", actor=actor_side, recover=True)
+
+    def _recover(self, actor, failed: dict) -> None:
+        """After a sync that engines broke (``failed``: engine -> cause, ``None`` cause: only caught in the
+        broken collective): restart the dead or hung ones, reload every live engine from the object store."""
+        self._group_members = self._ipc_members = None  # rebuilt at the next sync
+        for e, cause in failed.items():
+            if cause is not None and e.alive:
+                self._fail(e, f"{cause} (during a weight sync)", load=False)
+        live = [e for e in self.engines if e.alive]
+        refs = actor.submit("engine_state_dict")
+        pairs = [(e, e.handle.load_state.remote(refs[0], self.fingerprint_syncs)) for e in live]
+        self.last_fingerprints = self._wait(pairs, "reloading the engines after a failed weight sync",
+                                            actor=(actor, refs))
+        print(f"[rlhforge] weight sync: {len(live)} engine(s) reloaded with the current weights after "
+              f"{sum(c is not None for c in failed.values())} engine failure(s)", flush=True)
 
     def _open_group(self, actor, live: list[_Engine]) -> None:
         host, port = actor.rank0_address()
@@ -242,12 +273,13 @@ class EngineActors:
         for e in live:
             joins.append((e, e.handle.join_sync_group.remote(host, port, base, world, self.backend, self.sync_timeout_s)))
             base += e.tp
-        self._wait(joins, "joining the weight-sync group", actor=(actor, [send]))
+        self._wait(joins, "joining the weight-sync group", actor=(actor, [send]), recover=True)
         self._group_members = tuple(e.handle for e in live)
 
     # -- faults ----------------------------------------------------------------------------------------
-    def _fail(self, e: _Engine, cause: str) -> None:
-        """Engine ``e`` died or hung: restart it (within the limit) with the current weights, or drop it."""
+    def _fail(self, e: _Engine, cause: str, load: bool = True) -> None:
+        """Engine ``e`` died or hung: restart it (within the limit) with the current weights (``load``), or
+        drop it."""
         import ray
 
         print(f"[rlhforge] vLLM engine {e.index} failed: {cause}", flush=True)
@@ -267,8 +299,8 @@ class EngineActors:
         t0 = time.perf_counter()
         try:
             e.handle = self.spawn(e.index)
-            ray.get(e.handle.pid.remote(), timeout=self.sync_timeout_s)
-            if self._source is not None and self.synced_versions:  # else it loaded the initial weights itself
+            ray.get(e.handle.pid.remote(), timeout=self.start_timeout_s)
+            if load and self._source is not None and self.synced_versions:  # else it loaded the initial weights itself
                 refs = self._source.submit("engine_state_dict")
                 ray.get(e.handle.load_state.remote(refs[0], self.fingerprint_syncs), timeout=self.sync_timeout_s)
                 self._source.wait(refs, "engine_state_dict")
@@ -292,13 +324,19 @@ class EngineActors:
     def _broadcast(self, method: str) -> None:
         self._wait([(e, getattr(e.handle, method).remote()) for e in self.engines if e.alive], method)
 
-    def _wait(self, pairs: list, what: str, actor=None) -> list:
+    def _wait(self, pairs: list, what: str, actor=None, recover: bool = False) -> list:
         """Results of engine calls (and, with ``actor=(group, refs)``, of the actor ranks' side of the same
-        collective); the first failure is raised naming its side, never a wait on a peer that is gone."""
+        collective), within ``sync_timeout_s``. Without ``recover`` the first failure is raised naming its
+        side. With it (a sync), an engine that died or hung makes the wait go on until every side has
+        left the broken collective (by the group's timeout, the same deadline), then :class:`_SyncFault`
+        lists the engines to restart and reload; anything else is raised."""
         import ray
 
-        refs = [r for _, r in pairs] + (list(actor[1]) if actor else [])
+        actor_refs = list(actor[1]) if actor else []
+        refs = [r for _, r in pairs] + actor_refs
         deadline = time.monotonic() + self.sync_timeout_s
+        failed: dict = {}  # engine -> cause (None: an error caught from the broken collective)
+        other: list = []  # (owner, error) not caused by a dead engine, so far
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
@@ -306,13 +344,46 @@ class EngineActors:
                 try:
                     ray.get(ref)
                 except Exception as err:  # noqa: BLE001
-                    owner = next((f"vLLM engine {e.index}" for e, r in pairs if r == ref), "actor rank 0")
-                    if actor and owner == "actor rank 0":
-                        actor[0].wait(actor[1], what)  # names the rank
-                    raise WorkerError(f"{owner} failed in {what}: {_cause(err)}") from None
+                    e = next((e for e, r in pairs if r == ref), None)
+                    if not recover:
+                        if e is None and actor:
+                            actor[0].wait(actor[1], what)  # names the rank
+                        raise WorkerError(f"{'actor rank 0' if e is None else f'vLLM engine {e.index}'} failed in "
+                                          f"{what}: {_cause(err)}") from None
+                    if e is not None and _engine_fault(err):
+                        if not failed or all(c is None for c in failed.values()):  # the first death: from now
+                            deadline = max(deadline, time.monotonic() + self.sync_timeout_s + 5)
+                        failed[e] = _cause(err)
+                    elif e is not None:
+                        failed.setdefault(e, None)
+                        other.append((f"vLLM engine {e.index}", err))
+                    else:
+                        other.append(("actor rank 0", err))
             if pending and time.monotonic() > deadline:
-                raise WorkerError(f"{what}: no answer within {self.sync_timeout_s:g} s")
+                hung = [e for e, r in pairs if r in pending]
+                if not recover or any(r in pending for r in actor_refs):
+                    raise WorkerError(f"{what}: no answer within --vllm.sync_timeout_s {self.sync_timeout_s:g} s "
+                                      f"from {', '.join(f'vLLM engine {e.index}' for e in hung) or 'actor rank 0'}")
+                for e in hung:  # stuck past the deadline: killed and restarted
+                    failed[e] = f"TimeoutError: no answer within --vllm.sync_timeout_s {self.sync_timeout_s:g} s"
+                break
+        if any(c is not None for c in failed.values()):
+            raise _SyncFault(failed)
+        if other:
+            owner, err = other[0]
+            if owner == "actor rank 0" and actor:
+                actor[0].wait(actor[1], what)  # names the rank
+            raise WorkerError(f"{owner} failed in {what}: {_cause(err)}")
         return [ray.get(r) for _, r in pairs]
+
+
+class _SyncFault(Exception):
+    """Engines died or hung during a sync: ``failed`` = {engine: cause, or None for one that only saw the
+    broken collective}."""
+
+    def __init__(self, failed: dict):
+        super().__init__(", ".join(f"engine {e.index}: {c}" for e, c in failed.items()))
+        self.failed = failed
 
 
 def _engine_fault(err: BaseException) -> bool:
@@ -361,7 +432,7 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
 
     actor_pg = placement.groups["actor"].pg
     colocated = not cpu and all(ep.pg == actor_pg for ep in placement.engines)  # NCCL: one member per GPU
-    ipc_ranks = [dict(enumerate(ep.bundle_indices)) for ep in placement.engines] if colocated else None
     return EngineActors(spawn, v.num_engines, tp=v.tensor_parallel_size, backend=backend,
                         bucket_bytes=v.sync_bucket_mb << 20, sync_with_ray=v.sync_with_ray,
-                        max_restarts=v.max_restarts, timeout_s=v.request_timeout_s, ipc_ranks=ipc_ranks)
+                        max_restarts=v.max_restarts, timeout_s=v.request_timeout_s,
+                        sync_timeout_s=v.sync_timeout_s, ipc=colocated)

@@ -3,46 +3,63 @@ on GPUs, OpenRLHF's hybrid engine).
 
 NCCL cannot put two members of one group on the same GPU, so a colocated engine is not fed over the
 sync group: every actor rank streams the same weights (ZeRO-3 parameters gathered one at a time),
-packs each bucket into one buffer on its own GPU and shares a CUDA IPC handle to it; rank 0 gathers
-the handles over the training group and has every engine load the bucket, each engine worker from the
-rank on its GPU (``{tp_rank: actor_rank}``, from the placement plan). The buffers are freed after a
-barrier, so each GPU holds one bucket beyond the model. GPU only (the CPU build has no CUDA IPC); the
-GPU check (benchmarks/gpu/check_rl.sh) exercises it.
+packs each bucket into one buffer on its own GPU and shares a CUDA IPC handle to it, together with
+that GPU's UUID; rank 0 gathers ``{GPU UUID: handle}`` over the training group and has every engine load
+the bucket, each engine worker taking the handle made on its own GPU (by UUID, as vLLM, veRL and
+OpenRLHF do: rank and bundle numbers differ across nodes and placements). Handles and bucket layouts
+travel as plain ints, strings and bytes (:mod:`rlhforge.rollout.vllm_compat`: vLLM's msgpack serializer
+takes nothing else). The buffers are freed after a barrier, so each GPU holds one bucket beyond the
+model. An engine that fails or does not answer within ``timeout_s`` is left out of the later buckets and
+reported (the driver restarts it). GPU only (the CPU build has no CUDA IPC); the GPU check exercises it.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 import torch
+
+from rlhforge.rollout.vllm_compat import entries_to_wire, gpu_uuid, handles_by_gpu, ipc_handle_to_wire
 
 __all__ = ["stream_ipc"]
 
 
 def stream_ipc(named: Iterable, targets: list | None, bucket_bytes: int, *, rank: int, world_size: int,
-               fingerprint: bool = False) -> int:
-    """Every actor rank calls this with the same stream; ``targets`` (rank 0): ``[(engine actor handle,
-    {tp_rank: actor_rank}), ...]``. Returns the number of buckets."""
+               device: torch.device | str, fingerprint: bool = False, timeout_s: float = 300.0) -> dict:
+    """Every actor rank calls this with the same stream, ``device`` being the rank's own (the strategy's)
+    CUDA device; ``targets`` (rank 0): ``[(engine index, engine actor handle), ...]``. Returns
+    ``{"buckets": n, "failed": {engine index: cause}}`` (failures seen by rank 0)."""
     import ray
     import torch.distributed as dist
     from torch.multiprocessing.reductions import reduce_tensor
 
     from rlhforge.backend.collective import stream_buckets
 
+    device = torch.device(device)
+    uuid = gpu_uuid(device)
+    live = list(targets or [])
+    failed: dict[int, str] = {}
     buckets = 0
-    for entries, buf, last in stream_buckets(named, bucket_bytes, torch.device("cuda", torch.cuda.current_device())):
-        torch.cuda.synchronize()
-        handle = reduce_tensor(buf) if buf is not None else None
-        gathered = [handle]
+    for entries, buf, last in stream_buckets(named, bucket_bytes, device):
+        torch.cuda.synchronize(device)
+        mine = (uuid, ipc_handle_to_wire(reduce_tensor(buf)) if buf is not None else None)
+        gathered = [mine]
         if world_size > 1:
             gathered = [None] * world_size
-            dist.all_gather_object(gathered, handle)
-        if rank == 0:
-            refs = [engine.load_ipc.remote(entries, {t: gathered[r] for t, r in ranks.items()}, fingerprint, last)
-                    for engine, ranks in (targets or [])]
-            ray.get(refs)
+            dist.all_gather_object(gathered, mine)
+        if rank == 0 and live:
+            handles, wire = handles_by_gpu(gathered), entries_to_wire(entries)
+            refs = {index: engine.load_ipc.remote(wire, handles, fingerprint, last) for index, engine in live}
+            deadline = time.monotonic() + timeout_s
+            for index, ref in refs.items():
+                try:
+                    ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except Exception as err:  # noqa: BLE001 - a dead or hung engine: the driver restarts it
+                    failed[index] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            live = [(i, e) for i, e in live if i not in failed]
         if world_size > 1:
             dist.barrier()  # every engine has copied the bucket out: the buffer may go
         buckets += bool(entries)
-        del buf, handle
-    return buckets
+        del buf, mine
+    return {"buckets": buckets, "failed": failed}

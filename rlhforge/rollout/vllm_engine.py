@@ -22,8 +22,9 @@
   and loads it with vLLM's ``model_runner.reload_weights`` through the worker methods in
   :mod:`rlhforge.rollout.vllm_worker` (see there why not ``load_weights``). An in-process engine
   gets the tensors themselves in one call; an engine in another process gets them in buckets of
-  ``bucket_mb`` MiB (safetensors bytes, several tensors per RPC), then one reload. The prefix
-  cache is reset afterwards (its KV blocks were computed with the old weights).
+  ``bucket_mb`` MiB (safetensors bytes, several tensors per RPC), then one reload. Every sync path
+  ends in :func:`~rlhforge.rollout.vllm_compat.reset_after_sync` (prefix and encoder caches dropped).
+- **start-up check**: vLLM's version and the signatures the sync uses (vllm_compat.check_vllm_api).
 - **sleep / wake_up**: vLLM's sleep mode when the engine was built with ``enable_sleep=True``
   (GPU only); no-ops otherwise (vLLM's CPU build has no sleep mode).
 - **images** (a vision-language model folder; GPU only, *not run here*): ``generate(..., vision=[VisionInput
@@ -59,6 +60,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.vllm_compat import check_vllm_api, load_ipc_payload, reset_after_sync, vllm_api_signatures
 from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes, user_kv_cache_space
 from rlhforge.rollout.vllm_process import cpu_eager, freeze_heap
 from rlhforge.rollout.vllm_vision import (check_expanded_prompt, vlm_placeholders, vlm_unsupported_reason,
@@ -119,6 +121,7 @@ class VLLMEngine:
                  kv_cache_bytes: int | None = None, **llm_kwargs):
         import vllm
 
+        check_vllm_api(vllm.__version__, vllm_api_signatures())  # before a start-up that would fail later
         cpu = vllm_is_cpu_build()
         if record_routing and cpu:
             raise ValueError("routing replay needs vLLM's routed-experts output, which only its GPU model runner "
@@ -187,6 +190,8 @@ class VLLMEngine:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
+        with self._lock, self._engine_threads():  # the worker side: its model runner and model class
+            check_vllm_api(vllm.__version__, self.llm.collective_rpc("rlhforge_api_signatures")[0])
         self._asleep = self._weights_awake = False
         self._banned_words = None  # GPU only (not run here): vLLM bans words given as strings
         if self.vision is not None:
@@ -268,7 +273,7 @@ class VLLMEngine:
                 except BaseException:
                     self.llm.collective_rpc("rlhforge_clear_staged")
                     raise
-            self.reset_prefix_cache()
+            self.end_sync()
 
     # -- weight sync from a trainer rank over a collective (engine actors) ------------------------
     def join_sync_group(self, host: str, port: int, rank_base: int, world_size: int, backend: str = "gloo",
@@ -283,18 +288,19 @@ class VLLMEngine:
         with self._lock, self._engine_threads():
             self._wake_weights()
             fps = self.llm.collective_rpc("rlhforge_receive_weights", args=(fingerprint,))
-            self.reset_prefix_cache()
+            self.end_sync()
         return fps[0]
 
-    def load_ipc(self, entries: list, handles_by_rank: dict, fingerprint: bool = False, last: bool = False) -> int:
-        """Load one bucket from CUDA IPC handles (GPU, the engine sharing its GPUs with the sending ranks);
-        ``last``: the sync ends here (prefix cache reset)."""
+    def load_ipc(self, entries: list, handles_by_gpu: dict, fingerprint: bool = False, last: bool = False) -> int:
+        """One bucket from CUDA IPC handles ``{GPU UUID: handle}`` (GPU; each worker takes its own GPU's);
+        ``last``: the sync ends here (:meth:`end_sync`). Sent msgpack-safe (vllm_compat.load_ipc_payload)."""
+        args = load_ipc_payload(entries, handles_by_gpu, fingerprint)
         with self._lock, self._engine_threads():
             self._wake_weights()
-            n = self.llm.collective_rpc("rlhforge_load_ipc", args=(entries, handles_by_rank, fingerprint))[0]
+            n = self.llm.collective_rpc("rlhforge_load_ipc", args=args)[0]
             if last:
                 self.llm.collective_rpc("rlhforge_ipc_done")
-                self.reset_prefix_cache()
+                self.end_sync()
         return n
 
     def fingerprint(self) -> str | None:
@@ -321,9 +327,9 @@ class VLLMEngine:
         finally:
             torch.set_num_threads(before)
 
-    def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks (they were computed with the previous weights)."""
-        self.llm.reset_prefix_cache()
+    def end_sync(self) -> None:
+        """The end of every weight sync: prefix and encoder caches dropped (vllm_compat.reset_after_sync)."""
+        reset_after_sync(self.llm)
 
     def sleep(self) -> None:
         """Release GPU memory (vLLM sleep level 1: weights to host memory, KV cache dropped). No-op

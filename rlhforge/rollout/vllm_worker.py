@@ -151,22 +151,29 @@ class WeightSyncExtension:
         self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
         return self._rlhforge_fingerprint
 
-    def rlhforge_load_ipc(self, entries: list, handles_by_rank: dict, fingerprint: bool = False) -> int:
+    def rlhforge_load_ipc(self, entries: list, handles_by_gpu: dict, fingerprint: bool = False) -> int:
         """CUDA IPC, one bucket (GPU; an engine sharing its GPUs with the actor's ranks): rebuild the
-        bucket that the actor rank on this worker's GPU packed (``handles_by_rank[this worker's rank]``,
-        no copy through host memory) and load its tensors with the model's ``load_weights`` (on GPU the
-        kernels read the parameters as loaded; the CPU repacking that needs ``reload_weights`` does not
-        apply). Returns the number of tensors."""
+        bucket that the actor rank on this worker's GPU packed, found by the GPU's UUID
+        (:func:`rlhforge.rollout.vllm_compat.handle_for_gpu`; no copy through host memory), and load its
+        tensors with the model's ``load_weights`` (on GPU the kernels read the parameters as loaded; the
+        CPU repacking that needs ``reload_weights`` does not apply). ``entries`` and the handles arrive in
+        their msgpack-safe form (:func:`~rlhforge.rollout.vllm_compat.load_ipc_payload`: vLLM's serializer
+        takes nothing else when the engine core is its own process) and the tensor is rebuilt here with
+        this worker's own device index. Returns the number of tensors. GPU only: not run on CPU."""
         import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         from rlhforge.backend.collective import Fingerprint, unpack_bucket
+        from rlhforge.rollout.vllm_compat import entries_from_wire, gpu_uuid, handle_for_gpu, ipc_handle_from_wire
 
         if not entries:  # the closing call of a sync whose last bucket was already sent
             return 0
-        rebuild, args = handles_by_rank[int(getattr(self, "rank", 0) or 0)]
-        args = list(args)
-        args[6] = torch.cuda.current_device()  # storage_device: this process's index of the shared GPU
-        pairs = unpack_bucket(rebuild(*args), entries)  # unpack copies: the sender may free its buffer after
+        device = torch.device(getattr(self, "device", None) or torch.device("cuda", torch.cuda.current_device()))
+        rank = int(getattr(self, "rank", 0) or 0)
+        wire = handle_for_gpu(handles_by_gpu, gpu_uuid(device), f"engine worker rank {rank} ({device})")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        buffer = rebuild_cuda_tensor(*ipc_handle_from_wire(wire, index))
+        pairs = unpack_bucket(buffer, entries_from_wire(entries))  # copies: the sender may free its buffer after
         from rlhforge.models.moe import checkpoint_names  # MoE: per-expert checkpoint names (not run: GPU only)
 
         self.model_runner.model.load_weights(weights=checkpoint_names(pairs, self._rlhforge_names_skeleton()))
@@ -187,6 +194,18 @@ class WeightSyncExtension:
         return getattr(self, "_rlhforge_fingerprint", None)
 
     # -- checks -----------------------------------------------------------------------------------
+    def rlhforge_api_signatures(self) -> dict[str, list[str]]:
+        """Parameter names of the worker-side vLLM methods the sync calls by keyword (start-up check:
+        :func:`rlhforge.rollout.vllm_compat.check_vllm_api`); [] names a method that is missing."""
+        import inspect
+
+        out = {}
+        for name, owner, attr in (("model_runner.reload_weights", self.model_runner, "reload_weights"),
+                                  ("model.load_weights", self.model_runner.get_model(), "load_weights")):
+            fn = getattr(owner, attr, None)
+            out[name] = [] if fn is None else list(inspect.signature(fn).parameters)
+        return out
+
     def rlhforge_param_checksum(self) -> float:
         """Sum of all parameters (tests: did a reload change the weights the kernels read?)."""
         import torch
