@@ -279,16 +279,19 @@ class ActorWorker(TrainableWorker):
         return sender.send(stream, self._bucket_bytes)
 
     def set_ipc_targets(self, targets: list) -> None:
-        """Rank 0: the colocated engines of a CUDA-IPC sync, ``[(engine actor, {tp_rank: actor_rank})]``."""
+        """Rank 0: the colocated engines of a CUDA-IPC sync, ``[(engine index, engine actor)]`` (each engine
+        worker picks the handle made on its own GPU, by UUID: rlhforge.distributed.ipc_sync)."""
         self._ipc_targets = targets
 
-    def send_weights_ipc(self, bucket_bytes: int, fingerprint: bool = False) -> int:
-        """All ranks: the weights by CUDA IPC to the engines on their GPUs (rlhforge.distributed.ipc_sync)."""
+    def send_weights_ipc(self, bucket_bytes: int, fingerprint: bool = False, timeout_s: float = 300.0) -> dict:
+        """All ranks: the weights by CUDA IPC to the engines on their GPUs, from this rank's own device
+        (rlhforge.distributed.ipc_sync); ``{"buckets", "failed": {engine index: cause}}`` (rank 0)."""
         from rlhforge.backend.device import dist_info
         from rlhforge.distributed.ipc_sync import stream_ipc
 
         return stream_ipc(self._engine_weights(), getattr(self, "_ipc_targets", None), bucket_bytes,
-                          rank=dist_info().rank, world_size=self.strategy.world_size, fingerprint=fingerprint)
+                          rank=dist_info().rank, world_size=self.strategy.world_size, device=self.device,
+                          fingerprint=fingerprint, timeout_s=timeout_s)
 
     def weights_fingerprint(self) -> str | None:
         """sha256 of the weights the engines load, as sent (all ranks take part; rank 0 returns it)."""
