@@ -1,216 +1,349 @@
-"""check_rl.py's child sub-commands (run in their own processes by the orchestrator): ``phase`` (one RL run
-built as rlhforge.cli.train_ppo_ray.run builds it, plus a greedy probe of its engine) and ``greedy``
-(greedy-after-sync comparisons against fresh engines loaded from the export)."""
+#!/usr/bin/env python3
+"""One stage of the GPU check, in its own process: ``check_rl_child.py STAGE --spec SPEC.json --out OUT.json``.
+
+check_rl.py starts one per stage with its own timeout; the result JSON is rewritten as the stage goes,
+so a stage killed at its timeout still leaves what it measured. Stages here:
+
+- ``env``         versions, GPU, imports (gpu_env.py)
+- ``bug1``        issue 30's bug 1 on a process group of one: a host tensor in an NCCL all-reduce fails;
+                  ``all_reduce_tensor(..., device=)`` and the torch / FSDP2 strategies' ``all_reduce`` work
+- ``nccl_group``  rlhforge's weight-sync channel (``SyncGroup``) as an NCCL group of one: open + send
+- ``ipc_sync``    CUDA-IPC weight sync into a plain-torch receiver process on the same GPU: fingerprints
+                  and greedy tokens compared, seconds per GB
+- ``grpo``        GRPO steps through ``rlhforge.cli.train_ppo_ray.main`` (gpu_rl.py)
+- ``trl``         TRL's GRPOTrainer on the same model, prompts and reward (gpu_rl.py)
+
+On CPU (``--cpu-smoke``) the same code runs with gloo and CPU shared memory instead of NCCL and CUDA IPC.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import sys
 import time
 import traceback
 from pathlib import Path
 
-GREEDY_PROMPTS = 8  # the first prompts of the run's prompt set
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from gpu_metrics import write_json  # noqa: E402
 
 
-def cmd_phase(a, rl_argv: list[str]) -> int:
-    from rlhforge.cli.env import setup_cli_environment
+class Result(dict):
+    """The stage's result, saved to ``path`` on every ``save()`` (atomically)."""
 
-    setup_cli_environment()
-    from rlhforge.cli.train_ppo_ray import build_trainer, parse_rl_args
-    from rlhforge.distributed.groups import InProcessGroup
-    from rlhforge.rollout.engine import SamplingParams
+    def __init__(self, path: Path):
+        super().__init__(ok=False, started=time.time())
+        self.path = path
 
-    cfg = parse_rl_args(rl_argv, prog="check_rl.py phase")
-    probe: dict = {}
-    t = time.perf_counter()
-    trainer = build_trainer(cfg)
-    probe["build_s"] = round(time.perf_counter() - t, 3)
-    engine = trainer.engine
-    probe["engine_class"] = type(engine).__name__
-    rc = 0
-    try:
-        initial_fp = trainer.actor.call("weights_fingerprint")[0]  # before training (outside the timings)
-        t = time.perf_counter()
-        trainer.fit()  # as rlhforge.cli.train_ppo_ray.run: train, then export to --ckpt.output_dir
-        probe["fit_s"] = round(time.perf_counter() - t, 3)
-        # one more sync (not in the metrics), now with fingerprints: what the engine loaded vs what rank 0 sends
-        if not hasattr(engine, "sync_from"):
-            final_fp = trainer.actor.call("weights_fingerprint")[0]
-            probe["fingerprints"] = {"actor_before_training": initial_fp, "actor": final_fp,
-                                     "training_changed_weights": initial_fp != final_fp,
-                                     "engines": None, "why": "the engine is not an engine actor (no sync fingerprint)"}
-        else:
-            engine.fingerprint_syncs = True
-            t = time.perf_counter()
-            engine.sync_from(trainer.actor)
-            fps = list(engine.last_fingerprints)
-            actor_fp = trainer.actor.call("weights_fingerprint")[0]
-            probe["fingerprints"] = {"engines": fps, "actor": actor_fp, "equal": bool(fps) and all(f == actor_fp for f in fps),
-                                     "actor_before_training": initial_fp, "training_changed_weights": initial_fp != actor_fp,
-                                     "extra_sync_with_fingerprint_s": round(time.perf_counter() - t, 3)}
-        state = trainer.actor.call("engine_state_dict")[0]  # what a sync sends (rank 0), outside the timings
-        if state:
-            dtypes: dict = {}
-            for t in state.values():
-                dtypes[str(t.dtype).removeprefix("torch.")] = dtypes.get(str(t.dtype).removeprefix("torch."), 0) + t.numel()
-            probe["sent_weights"] = {"bytes": sum(t.numel() * t.element_size() for t in state.values()),
-                                     "tensors": len(state), "numel_by_dtype": dtypes,
-                                     "what": "actor rank 0's engine_state_dict after the run: the tensors a sync "
-                                             "sends, in the training dtype (a tied weight counts once per name)"}
-        del state
-        tok = trainer.tokenizer
-        # the run's own first prompts, at most its response length: they fit the engine's max_model_len
-        prompts = [list(p.ids) for p in trainer.prompts[:GREEDY_PROMPTS]]
-        max_new = min(a.max_new, trainer.max_new_tokens)
-        params = [SamplingParams(max_new_tokens=max_new, temperature=0.0) for _ in prompts]
-        engine.wake_up()
-        outs = trainer._run(engine.generate(prompts, params))
-        engine.sleep()
-        probe.update({"what": "greedy tokens of the run's engine after its last weight sync (the exported weights)",
-                      "prompts": prompts, "tokens": [list(o.token_ids) for o in outs], "max_new_tokens": max_new,
-                      "eos_token_id": tok.eos_token_id})
-    except BaseException:
-        traceback.print_exc()
-        rc = 4 if "WorkerError" in traceback.format_exc() else 1
-    finally:  # the clean-up of rlhforge.cli.train_ppo_ray.run
-        trainer.logger.close()
-        getattr(trainer.executor, "close", lambda: None)()
-        getattr(trainer.engine, "close", lambda: None)()
-        if not isinstance(trainer.actor, InProcessGroup):
-            from rlhforge.distributed.launch import close_groups
+    def save(self) -> None:
+        self["elapsed_s"] = round(time.time() - self["started"], 2)
+        write_json(self.path, self)
 
-            close_groups(trainer.actor, trainer.ref, trainer.critic, getattr(trainer, "reward_group", None))
-        Path(a.probe_out).write_text(json.dumps(probe))
-    return rc
+    def fail(self, msg: str) -> None:
+        self["ok"] = False
+        self.setdefault("errors", []).append(msg)
+        self.save()
 
 
-# --------------------------------------------------------------------------------------------- greedy (child)
+def _err(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip()[:600]}"
 
 
-def compare(a_name, a_toks, b_name, b_toks, must_equal: bool, note: str = "") -> dict:
-    eq = sum(1 for x, y in zip(a_toks, b_toks) if x == y)
-    prefixes, first = [], []
-    for i, (x, y) in enumerate(zip(a_toks, b_toks)):
-        k = 0
-        while k < min(len(x), len(y)) and x[k] == y[k]:
-            k += 1
-        prefixes.append(k)
-        if x != y and len(first) < 3:
-            first.append({"prompt": i, "at": k, "a": x[k:k + 5], "b": y[k:k + 5]})
-    return {"a": a_name, "b": b_name, "equal": eq, "of": len(a_toks), "must_equal": must_equal,
-            "mean_common_prefix_tokens": sum(prefixes) / max(len(prefixes), 1),
-            "mean_len_a": sum(map(len, a_toks)) / max(len(a_toks), 1), "first_mismatches": first, "note": note}
-
-
-def cut_at_eos(ids: list[int], eos: int | None) -> list[int]:
-    if eos is not None and eos in ids:
-        return ids[: ids.index(eos) + 1]
-    return ids
-
-
-def cmd_greedy(a) -> int:
+def _sync(device: str) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    spec = json.loads(Path(a.spec).read_text())
-    device = spec["device"] if torch.cuda.is_available() or spec["device"] == "cpu" else "cpu"
-    result: dict = {"comparisons": [], "skipped": [], "device": device}
-    rc = 0
+    if device == "cuda":
+        torch.cuda.synchronize()
 
-    def save():
-        Path(a.out).write_text(json.dumps(result, indent=1))
 
-    for item in spec["items"]:
-        probe = json.loads(Path(item["probe"]).read_text())
-        prompts, engine_toks, eos, n = probe["prompts"], probe["tokens"], probe.get("eos_token_id"), probe["max_new_tokens"]
-        who = f"{item['phase']}: {probe.get('engine_class')} after its last sync"
-        fresh = None
-        if item["engine"] == "vllm":
-            if time.time() + 60 > spec["deadline"]:
-                result["skipped"].append(f"{item['phase']}: fresh vLLM engine (no time left)")
-            else:
-                try:
-                    from rlhforge.rollout.engine import SamplingParams
-                    from rlhforge.rollout.vllm_engine import VLLMEngine
+# --------------------------------------------------------------------------------------------- bug 1
 
-                    t = time.perf_counter()
-                    # a fresh engine from the export, in its own engine-core process (closed after), same dtype
-                    eng = VLLMEngine(item["export"], eos_token_id=eos, dtype=item.get("dtype", "bfloat16"),
-                                     max_model_len=512,
-                                     gpu_memory_utilization=0.25, enforce_eager=spec.get("eager", True), in_process=False)
-                    outs = eng.generate_sync(prompts, [SamplingParams(max_new_tokens=n, temperature=0.0)] * len(prompts))
-                    fresh = [list(o.token_ids) for o in outs]
-                    eng.close()
-                    del eng
-                    result.setdefault("fresh_vllm_s", {})[item["phase"]] = round(time.perf_counter() - t, 2)
-                    result["comparisons"].append(compare(
-                        who, engine_toks, f"{item['phase']}: fresh vLLM engine loaded from the export", fresh, True,
-                        f"same weights, same vLLM kernels and dtype ({item.get('dtype')}), same batch of prompts: must be equal"))
-                except Exception:  # noqa: BLE001
-                    rc = 1
-                    result.setdefault("errors", []).append(f"{item['phase']}: fresh vLLM: {traceback.format_exc()[-800:]}")
-            save()
-        if time.time() + 20 > spec["deadline"]:
-            result["skipped"].append(f"{item['phase']}: HF comparison (no time left)")
-            continue
+
+def run_bug1(spec: dict, res: Result) -> None:
+    import dataclasses
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    from rlhforge.backend.collective import free_port
+
+    device, backend = spec["device"], spec["backend"]
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    port = free_port()
+    t = time.time()
+    kw = {"device_id": dev} if device == "cuda" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kw)
+    res["group"] = {"backend": str(dist.get_backend()), "world_size": dist.get_world_size(),
+                    "init_s": round(time.time() - t, 3)}
+    res["strict_device_env"] = os.environ.get("RLHFORGE_STRICT_DEVICE")
+    res.save()
+    # 1. the bug: a host tensor straight into the group's all-reduce
+    try:
+        x = torch.tensor(1.0)
+        dist.all_reduce(x)
+        _sync(device)
+        res["bug"] = {"call": "dist.all_reduce(torch.tensor(1.0))", "raised": False, "value": x.item()}
+    except Exception as err:  # noqa: BLE001 - the error is the finding
+        res["bug"] = {"call": "dist.all_reduce(torch.tensor(1.0))", "raised": True, "error": _err(err)}
+    res["bug_reproduced"] = bool(res["bug"]["raised"])
+    if not res["bug_reproduced"]:
+        res["bug"]["note"] = (f"{backend} took a host tensor: bug 1 is NCCL-only (gloo reduces CPU tensors; the "
+                              "strict-device test mode makes the CPU suite catch it)")
+    res.save()
+    # 2. the fix: all_reduce_tensor(tensor, op, world_size, device=None)
+    from rlhforge.backend.strategy import all_reduce_tensor
+
+    sig = str(inspect.signature(all_reduce_tensor))
+    has_device = "device" in inspect.signature(all_reduce_tensor).parameters
+    fixed = res["fixed"] = {"signature": sig, "has_device_parameter": has_device}
+    calls = [("world_size=1 (a group of one: returns a copy, no collective)", 1),
+             ("world_size=2 (forces the collective path on the group of one)", 2)]
+    ok = True
+    for label, ws in calls:
         try:
-            t = time.perf_counter()
-            dtype = torch.bfloat16 if device == "cuda" else torch.float32
-            model = AutoModelForCausalLM.from_pretrained(item["export"], dtype=dtype).to(device).eval()
-            hf = []
-            tf_agree = tf_total = 0
-            margins = []
-            with torch.no_grad():
-                for p, e_toks in zip(prompts, engine_toks):
-                    x = torch.tensor([p], device=device)
-                    y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                       eos_token_id=eos, pad_token_id=eos)
-                    hf.append(cut_at_eos(y[0, len(p):].tolist(), eos))
-                    if e_toks:  # teacher forcing: is each engine token the HF argmax at its position?
-                        full = torch.tensor([p + e_toks], device=device)
-                        logits = model(full).logits[0, len(p) - 1: len(p) - 1 + len(e_toks)].float()
-                        top = logits.argmax(-1)
-                        chosen = torch.tensor(e_toks, device=device)
-                        tf_agree += int((top == chosen).sum())
-                        tf_total += len(e_toks)
-                        gap = logits.max(-1).values - logits.gather(1, chosen[:, None])[:, 0]
-                        margins += [float(g) for g in gap[top != chosen]]
-            if item.get("initial"):  # the same greedy decoding on the model before training
-                init = AutoModelForCausalLM.from_pretrained(item["initial"], dtype=dtype).to(device).eval()
-                with torch.no_grad():
-                    before = []
-                    for p in prompts:
-                        x = torch.tensor([p], device=device)
-                        y = init.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                          eos_token_id=eos, pad_token_id=eos)
-                        before.append(cut_at_eos(y[0, len(p):].tolist(), eos))
-                del init
-                changed = sum(1 for x, y in zip(before, hf) if x != y)
-                result.setdefault("training_changed_greedy", {})[item["phase"]] = {
-                    "what": "transformers greedy on the initial model vs on the export: prompts whose tokens differ "
-                            "(0: the equality checks above could not tell a synced engine from a stale one)",
-                    "differ": changed, "of": len(hf)}
-            result.setdefault("hf_s", {})[item["phase"]] = round(time.perf_counter() - t, 2)
-            kind = "bf16 on the GPU" if dtype == torch.bfloat16 else "fp32 on CPU"
-            exact = item["engine"] == "hf" and device == "cpu"
-            result["comparisons"].append(compare(
-                who, engine_toks, f"{item['phase']}: transformers generate (greedy) on the export, {kind}", hf, exact,
-                "same engine family and fp32: must be equal" if exact else
-                f"different kernels ({kind}): a near-tie may flip a token, after which the sequences diverge; "
-                "see teacher_forced"))
-            if fresh is not None:
-                result["comparisons"].append(compare(f"{item['phase']}: fresh vLLM engine", fresh,
-                                                     f"{item['phase']}: transformers generate", hf, False))
-            result.setdefault("teacher_forced", {})[item["phase"]] = {
-                "what": "the engine's greedy tokens fed to the HF model from the export: share that are its argmax",
-                "agree": tf_agree, "of": tf_total, "share": tf_agree / tf_total if tf_total else None,
-                "max_logit_gap_where_not_argmax": max(margins) if margins else 0.0}
-            del model
-            if device == "cuda":
-                torch.cuda.empty_cache()
-        except Exception:  # noqa: BLE001
-            rc = 1
-            result.setdefault("errors", []).append(f"{item['phase']}: HF: {traceback.format_exc()[-800:]}")
-        save()
-    save()
-    return rc
+            host = torch.tensor(1.0)
+            out = all_reduce_tensor(host, "sum", ws, device=dev) if has_device else all_reduce_tensor(host, "sum", ws)
+            _sync(device)
+            good = out.device == host.device and abs(out.item() - 1.0) < 1e-6
+            fixed[label] = {"ok": good, "value": out.item(), "result_device": str(out.device)}
+            ok &= good
+        except Exception as err:  # noqa: BLE001
+            fixed[label] = {"ok": False, "error": _err(err)}
+            ok = False
+        res.save()
+    if not has_device:
+        res.fail("all_reduce_tensor has no `device` parameter (the fix of bug 1 is not in this tree)")
+    # 3. through the real strategies (their all_reduce passes the strategy's device)
+    from rlhforge.backend.factory import build_strategy
+    from rlhforge.config.rl import RLConfig
+
+    cfg = RLConfig()
+    res["strategies"] = {}
+    for name in ("torch", "fsdp2"):
+        rec = res["strategies"][name] = {}
+        try:
+            strategy = build_strategy(dataclasses.replace(cfg.ds, strategy=name, param_dtype=spec["param_dtype"]),
+                                      cfg.actor.optim_config(), dataclasses.replace(cfg.train, device=device), None)
+            rec["class"], rec["device"] = type(strategy).__name__, str(strategy.device)
+            out = strategy.all_reduce(torch.tensor(3.0), op="sum")
+            rec["world_size_1"] = {"value": out.item(), "result_device": str(out.device)}
+            strategy.world_size = 2  # force the collective path on the group of one (as above)
+            out = strategy.all_reduce(torch.tensor(3.0), op="sum")
+            _sync(device)
+            rec["forced_collective"] = {"value": out.item(), "result_device": str(out.device)}
+            strategy.world_size = 1
+            rec["ok"] = out.device.type == "cpu" and abs(out.item() - 3.0) < 1e-6
+        except Exception as err:  # noqa: BLE001
+            rec.update(ok=False, error=_err(err), trace=traceback.format_exc()[-1500:])
+        ok &= bool(rec.get("ok"))
+        res.save()
+    res["ok"] = ok and has_device
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------- NCCL group
+
+
+def run_nccl_group(spec: dict, res: Result) -> None:
+    import torch
+
+    from rlhforge.backend.collective import SyncGroup, free_port, state_fingerprint
+
+    device, backend = spec["device"], spec["backend"]
+    dev = "cuda:0" if device == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    port = free_port()
+    t = time.time()
+    group = SyncGroup("127.0.0.1", port, 0, 1, backend, dev, timeout_s=60.0)
+    res["open_s"] = round(time.time() - t, 3)
+    res["call"] = f'SyncGroup("127.0.0.1", {port}, 0, 1, "{backend}", "{dev}")'
+    res.save()
+    gen = torch.Generator().manual_seed(0)
+    state = {f"layer{i}.weight": torch.randn(512, 512, generator=gen).to(dev, torch.bfloat16) for i in range(8)}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    fp = state_fingerprint(state)
+    sends = []
+    for _ in range(3):  # the first includes NCCL's communicator set-up
+        t = time.time()
+        buckets = group.send(state, bucket_bytes=1 << 20)
+        _sync(device)
+        sends.append(round(time.time() - t, 4))
+    res.update(bytes=nbytes, buckets=buckets, send_s=sends, fingerprint=fp[:16],
+               unchanged_after_send=state_fingerprint(state) == fp,
+               note="a group of one: the broadcast has no receiver, but runs the NCCL path (communicator, "
+                    "headers, bucket buffers on the device)")
+    res["ok"] = buckets >= 1 and res["unchanged_after_send"]
+    try:
+        group.pg.shutdown()
+    except Exception:  # noqa: BLE001 - older torch / gloo: nothing to shut down
+        pass
+
+
+# --------------------------------------------------------------------------------------------- CUDA IPC
+
+
+def _ipc_model(spec: dict, seed: int):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    m = spec["ipc_model"]
+    cfg = Qwen3Config(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["intermediate"],
+                      num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
+                      head_dim=m["hidden"] // m["heads"], max_position_embeddings=512, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    dev = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        model = Qwen3ForCausalLM(cfg)
+    return model.to(getattr(torch, spec["ipc_dtype"])).eval()
+
+
+def _greedy(model, spec: dict) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(123)
+    ids = torch.randint(4, spec["ipc_model"]["vocab"], (16, 8), generator=g).to(model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=spec["greedy_tokens"], min_new_tokens=spec["greedy_tokens"], pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def ipc_receiver(spec: dict, inbox, outbox) -> None:
+    """The plain-torch receiver: the same architecture with other random weights, loaded bucket by bucket
+    from the sender's shared buffers (CUDA IPC on GPU, shared memory on CPU)."""
+    try:
+        import torch
+
+        from rlhforge.backend.collective import state_fingerprint, unpack_bucket
+
+        if spec["device"] == "cuda":
+            torch.cuda.set_device(0)
+        model = _ipc_model(spec, seed=1)
+        params = model.state_dict()
+        outbox.put(("ready", state_fingerprint(params)))
+        loaded = 0
+        while True:
+            msg = inbox.get(timeout=120)
+            if msg[0] == "done":
+                break
+            _, index, entries, (rebuild, args) = msg
+            buf = rebuild(*args)  # the sender's buffer, mapped into this process
+            for name, t in unpack_bucket(buf, entries):
+                params[name].copy_(t)
+                loaded += 1
+            del buf
+            if spec["device"] == "cuda":
+                torch.cuda.synchronize()
+            outbox.put(("ack", index))
+        outbox.put(("result", state_fingerprint(model.state_dict()), _greedy(model, spec), loaded))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which records it
+        outbox.put(("error", _err(err) + "\n" + traceback.format_exc()[-1500:]))
+
+
+def run_ipc_sync(spec: dict, res: Result) -> None:
+    import torch
+    import torch.multiprocessing as tmp
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from rlhforge.backend.collective import state_fingerprint, stream_buckets
+
+    device = spec["device"]
+    res["channel"] = "CUDA IPC (reduce_tensor of CUDA buffers)" if device == "cuda" else \
+        "CPU shared memory (reduce_tensor of host buffers): the CPU stand-in for CUDA IPC"
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    ctx = tmp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=ipc_receiver, args=(spec, inbox, outbox), daemon=True)
+    t = time.time()
+    proc.start()
+    model = _ipc_model(spec, seed=0)
+    named = model.state_dict()
+    nbytes = sum(v.numel() * v.element_size() for v in named.values())
+    res["model"] = {**spec["ipc_model"], "dtype": spec["ipc_dtype"], "params": sum(v.numel() for v in named.values()),
+                    "bytes": nbytes}
+    sender_fp = state_fingerprint(named)
+    sender_tokens = _greedy(model, spec)
+    res.save()
+
+    def get(kind: str):
+        msg = outbox.get(timeout=spec["ipc_wait_s"])
+        if msg[0] == "error":
+            raise RuntimeError(f"receiver failed: {msg[1]}")
+        if msg[0] != kind:
+            raise RuntimeError(f"receiver sent {msg[0]!r}, expected {kind!r}")
+        return msg[1:]
+
+    (receiver_fp_before,) = get("ready")
+    res["receiver_start_s"] = round(time.time() - t, 2)
+    res["fingerprint_differs_before_sync"] = receiver_fp_before != sender_fp
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    t0, buckets = time.time(), 0
+    for entries, buf, last in stream_buckets(named, spec["bucket_bytes"], dev):
+        if entries:
+            _sync(device)
+            inbox.put(("bucket", buckets, entries, reduce_tensor(buf)))
+            get("ack")  # the receiver has copied it out: the buffer may go
+            buckets += 1
+        del buf
+    sync_s = time.time() - t0
+    inbox.put(("done",))
+    receiver_fp, receiver_tokens, loaded = get("result")
+    proc.join(timeout=30)
+    equal_tokens = sum(a == b for a, b in zip(sender_tokens, receiver_tokens))
+    res.update(buckets=buckets, bucket_bytes=spec["bucket_bytes"], tensors_loaded=loaded,
+               sync_s=round(sync_s, 4), s_per_gb=round(sync_s / (nbytes / 1e9), 3),
+               gb_per_s=round(nbytes / 1e9 / sync_s, 3) if sync_s > 0 else None,
+               fingerprint_sender=sender_fp[:16], fingerprint_receiver=receiver_fp[:16],
+               fingerprints_equal=receiver_fp == sender_fp,
+               greedy={"prompts": len(sender_tokens), "new_tokens": spec["greedy_tokens"],
+                       "equal_prompts": equal_tokens, "sender_first": sender_tokens[0],
+                       "receiver_first": receiver_tokens[0]},
+               note="s_per_gb: from the first bucket to the receiver's last acknowledgement, per 1e9 bytes of "
+                    "weights (pack, share the handle, map, unpack, copy into the model, acknowledge)")
+    res["ok"] = bool(res["fingerprints_equal"] and equal_tokens == len(sender_tokens)
+                     and res["fingerprint_differs_before_sync"])
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="check_rl_child.py")
+    p.add_argument("stage", choices=("env", "bug1", "nccl_group", "ipc_sync", "grpo", "trl"))
+    p.add_argument("--spec", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    spec = json.loads(Path(a.spec).read_text())
+    res = Result(Path(a.out))
+    res["stage"] = a.stage
+    res.save()
+    if a.stage == "env":
+        from gpu_env import run_env as fn
+    elif a.stage in ("grpo", "trl"):
+        import gpu_rl
+
+        fn = gpu_rl.run_grpo if a.stage == "grpo" else gpu_rl.run_trl
+    else:
+        fn = {"bug1": run_bug1, "nccl_group": run_nccl_group, "ipc_sync": run_ipc_sync}[a.stage]
+    try:
+        fn(spec, res)
+    except BaseException as err:  # noqa: BLE001 - recorded, then the exit status says it
+        res.fail(_err(err))
+        res["trace"] = traceback.format_exc()[-3000:]
+    res.save()
+    print(f"[check_rl_child] {a.stage}: {'ok' if res.get('ok') else 'FAILED'} in {res['elapsed_s']} s", flush=True)
+    return 0 if res.get("ok") or res.get("not_applicable") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,98 +1,47 @@
-"""check_rl.py's measurement helpers: timestamps, nvidia-smi memory sampling, the model's parameter count
-from its safetensors header, and the per-phase summary of an RL run's metrics.jsonl (standard library only)."""
+"""The GPU check's bookkeeping helpers (standard library only: the orchestrator imports them before any
+torch is known to work): timestamps, atomic JSON writes, a model's parameter count from its safetensors
+headers, the summary of an RL run's metrics.jsonl, and pytest's summary lines."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import re
 import struct
-import subprocess
-import threading
 import time
 from pathlib import Path
+
 
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def missing(v) -> bool:
-    return v is None or str(v).startswith("MISSING")
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
 
 
-def mean(xs):
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def mean(xs) -> float | None:
     xs = [x for x in xs if isinstance(x, (int, float))]
     return sum(xs) / len(xs) if xs else None
 
 
-# --------------------------------------------------------------------------------------------- GPU memory
-
-
-class GpuMemSampler:
-    """nvidia-smi's memory.used of GPU 0 every ``period`` s (whole device: the actor, ref and vLLM together)."""
-
-    def __init__(self, period: float = 0.5):
-        self.period, self.samples, self._stop = period, [], threading.Event()
-        self.exe = shutil.which("nvidia-smi")
-        self._thread = None
-
-    def __enter__(self):
-        if self.exe:
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return self
-
-    def _loop(self):
-        while not self._stop.is_set():
-            try:
-                r = subprocess.run([self.exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                   capture_output=True, text=True, timeout=10)
-                if r.returncode == 0 and r.stdout.strip():
-                    self.samples.append((time.time(), float(r.stdout.strip().splitlines()[0])))
-            except Exception:  # noqa: BLE001 - sampling is best effort; its absence is recorded
-                pass
-            self._stop.wait(self.period)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=15)
-
-    def summary(self, rows: list[dict]) -> dict:
-        if not self.exe:
-            return {"available": False, "why": "nvidia-smi not on PATH"}
-        if not self.samples:
-            return {"available": False, "why": "nvidia-smi gave no sample"}
-        t0 = self.samples[0][0]
-        out = {"available": True, "source": "nvidia-smi memory.used, GPU 0, every %.1f s" % self.period,
-               "samples": len(self.samples), "peak_gb": round(max(m for _, m in self.samples) / 1024, 3)}
-        # windows of each step from metrics.jsonl: the row is written at the end of the step; the step began
-        # timing/step_total earlier and its generation took the first timing/generation seconds (approximate)
-        gen, train = [], []
-        for r in rows:
-            end, total, g = r.get("time"), r.get("timing/step_total"), r.get("timing/generation")
-            if not all(isinstance(x, (int, float)) for x in (end, total, g)):
-                continue
-            start = end - total
-            gen += [m for t, m in self.samples if start <= t <= start + g]
-            train += [m for t, m in self.samples if start + g < t <= end]
-        out["peak_gb_generation_windows"] = round(max(gen) / 1024, 3) if gen else None
-        out["peak_gb_training_windows"] = round(max(train) / 1024, 3) if train else None
-        out["min_gb_training_windows"] = round(min(train) / 1024, 3) if train else None
-        out["windows_note"] = ("per step, from metrics.jsonl times: generation = the first timing/generation s "
-                               "of the step, training = the rest (experience, train, weight sync); approximate")
-        step = max(1, len(self.samples) // 200)
-        out["series_s_gb"] = [[round(t - t0, 1), round(m / 1024, 3)] for t, m in self.samples[::step]]
-        return out
-
-
-# --------------------------------------------------------------------------------------------- helpers
-
-
 def safetensors_params(folder: Path) -> dict:
-    """Parameter count and bytes of a saved model, read from the safetensors headers (stdlib only)."""
+    """Parameter count and bytes of a saved model, read from the safetensors headers."""
     sizes = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
-    numel, nbytes, dtypes, tensors = 0, 0, {}, 0
-    for f in sorted(folder.glob("*.safetensors")):
+    numel, nbytes, tensors = 0, 0, 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
@@ -104,18 +53,15 @@ def safetensors_params(folder: Path) -> dict:
                 k *= d
             numel += k
             nbytes += k * sizes.get(meta["dtype"], 0)
-            dtypes[meta["dtype"]] = dtypes.get(meta["dtype"], 0) + k
             tensors += 1
-    return {"num_params": numel, "file_tensor_bytes": nbytes, "dtypes": dtypes, "tensors": tensors}
+    return {"num_params": numel, "file_tensor_bytes": nbytes, "tensors": tensors}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    p = run_dir / "metrics.jsonl"
-    if not p.exists():
-        return []
+    p = Path(run_dir) / "metrics.jsonl"
     rows = []
-    for line in p.read_text().splitlines():
-        if line.strip():
+    if p.exists():
+        for line in p.read_text().splitlines():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
@@ -123,51 +69,63 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
-PER_STEP_KEYS = ("step", "timing/generation", "timing/make_experience", "timing/ppo_train", "timing/broadcast",
-                 "timing/step_total", "perf/tokens_per_s", "perf/peak_memory_gb", "rollout/samples",
-                 "rollout/response_length", "rollout/reward_mean", "rollout/engine_restarts")
-
-
-def summarize(rows: list[dict], sync_bytes: int | None) -> dict:
+def summarize_rl(rows: list[dict], phases: list[dict]) -> dict:
+    """Per-step numbers of an RL run from its metrics.jsonl rows, with the per-phase CUDA peaks and times
+    that the child measured around the trainer's methods (``phases``: one dict per call, in order).
+    Steady = the steps after the first (the first includes warm-up: kernels, allocator, caches)."""
     steps = [r for r in rows if isinstance(r.get("timing/step_total"), (int, float))]
-    if not steps:
-        return {"steps": 0, "why": "metrics.jsonl has no step row"}
     per = []
     for r in steps:
-        d = {k: r[k] for k in PER_STEP_KEYS if k in r}
-        if isinstance(r.get("rollout/response_length"), (int, float)) and isinstance(r.get("rollout/samples"), (int, float)):
-            d["generated_tokens"] = round(r["rollout/response_length"] * r["rollout/samples"])
+        d = {k: r.get(k) for k in ("step", "timing/generation", "timing/make_experience", "timing/ppo_train",
+                                   "timing/broadcast", "timing/step_total", "perf/peak_memory_gb",
+                                   "rollout/response_length", "rollout/reward_mean")}
+        samples = r.get("rollout/samples") or r.get("rollout/num_samples")
+        gen = r.get("timing/generation")
+        if isinstance(r.get("rollout/response_length"), (int, float)) and isinstance(samples, (int, float)):
+            d["generated_tokens"] = round(r["rollout/response_length"] * samples)
+            if isinstance(gen, (int, float)) and gen > 0:
+                d["generation_tokens_per_s"] = round(d["generated_tokens"] / gen, 1)
         per.append(d)
     steady = per[1:] if len(per) > 1 else per
-
-    def tot(key, rows_):
-        return sum(r[key] for r in rows_ if isinstance(r.get(key), (int, float)))
-
-    def block(rows_):
-        sync = mean([r.get("timing/broadcast") for r in rows_])
-        gen_s, toks = tot("timing/generation", rows_), tot("generated_tokens", rows_)
-        return {
-            "steps": [r["step"] for r in rows_],
-            "weight_sync_s_mean": sync,
-            "weight_sync_s_per_gb": (sync / (sync_bytes / 1e9)) if sync is not None and sync_bytes else None,
-            "generation_s_mean": mean([r.get("timing/generation") for r in rows_]),
-            "generated_tokens": toks,
-            "generation_tokens_per_s": toks / gen_s if gen_s > 0 else None,
-            "step_s_mean": mean([r.get("timing/step_total") for r in rows_]),
-            "make_experience_s_mean": mean([r.get("timing/make_experience") for r in rows_]),
-            "ppo_train_s_mean": mean([r.get("timing/ppo_train") for r in rows_]),
-        }
-
-    peaks = [r.get("perf/peak_memory_gb") for r in per if isinstance(r.get("perf/peak_memory_gb"), (int, float))]
+    peaks: dict[str, float] = {}
+    times: dict[str, list] = {}
+    for ph in phases:
+        name = ph.get("phase")
+        if isinstance(ph.get("peak_gb"), (int, float)):
+            peaks[name] = max(peaks.get(name, 0.0), ph["peak_gb"])
+        times.setdefault(name, []).append(ph.get("s"))
     return {
-        "steps": len(per), "per_step": per,
-        "all_steps": block(per),
-        "steady_steps": block(steady),
-        "actor_peak_memory_gb": max(peaks) if peaks else None,
-        "reward_varied": len({r.get("rollout/reward_mean") for r in per}) > 1 or None,
-        "notes": ("weight sync = timing/broadcast (after each step; the sync before step 1 is not in the metrics); "
-                  "GB = 1e9 bytes of the weights as sent (see sync_bytes_basis); generated "
-                  "tokens = rollout/response_length x rollout/samples; tokens/s = generated tokens / timing/generation; "
-                  "steady = steps after the first (the first includes warm-up); actor_peak_memory_gb = the actor "
-                  "rank's torch peak (perf/peak_memory_gb); the whole device is in gpu_memory"),
+        "steps": len(per),
+        "per_step": per,
+        "generation_tokens_per_s_steady": mean([r.get("generation_tokens_per_s") for r in steady]),
+        "step_s_steady": mean([r.get("timing/step_total") for r in steady]),
+        "step_s_first": per[0].get("timing/step_total") if per else None,
+        "train_s_steady": mean([r.get("timing/ppo_train") for r in steady]),
+        "weight_sync_s_steady": mean([r.get("timing/broadcast") for r in steady]),
+        "peak_memory_gb_by_phase": {k: round(v, 3) for k, v in peaks.items()},
+        "phase_s_mean": {k: round(mean(v) or 0.0, 3) for k, v in times.items()},
+        "notes": ("tokens/s = rollout/response_length x samples / timing/generation; peak_memory_gb_by_phase = "
+                  "torch.cuda.max_memory_allocated of the driver process, reset before each phase (generation = "
+                  "RLTrainer.rollout, experience = make_experience, training = train, sync = sync_weights); "
+                  "with the reset, the run's own perf/peak_memory_gb is the peak since the last phase began"),
     }
+
+
+_PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
+
+
+def parse_pytest(output: str) -> dict:
+    """Counts from pytest's last summary line, the SKIPPED/ERROR/FAILED lines of its -ra summary."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "deselected": 0}
+    lines = output.splitlines()
+    for line in reversed(lines):
+        if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)", line) and " in " in line:
+            for n, kind in _PYTEST_COUNT.findall(line):
+                key = "errors" if kind.startswith("error") else kind
+                if key in counts:
+                    counts[key] = int(n)
+            break
+    skipped = [ln.strip() for ln in lines if ln.startswith("SKIPPED")]
+    failed = [ln.strip() for ln in lines if ln.startswith("FAILED")]
+    errors = [ln.strip() for ln in lines if ln.startswith("ERROR")]
+    return {**counts, "skip_reasons": skipped[:40], "failed_tests": failed[:40], "error_lines": errors[:40]}
