@@ -146,6 +146,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def release_cached_memory(device: torch.device) -> int:
+    """Give the caching allocator's unused blocks back to the device (before a colocated vLLM engine wakes
+    up into the same GPU: vLLM sizes its KV cache from what is free). Returns the bytes released
+    (0 on CPU, which has no such cache)."""
+    if device.type != "cuda":
+        return 0
+    import gc
+
+    gc.collect()
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.empty_cache()
+    return int(before - torch.cuda.memory_reserved(device))
+
+
 def seed_everything(seed: int, full_determinism: bool = False) -> None:
     """Seed Python, NumPy and torch (every process of a run calls this with the run's seed)."""
     import numpy as np

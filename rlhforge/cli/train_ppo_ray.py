@@ -98,6 +98,8 @@ def check_reward_servers(cfg: RLConfig, log=lambda msg: print(msg, flush=True)) 
 
 def build_trainer(cfg: RLConfig):
     """All components of a run, wired; returns the :class:`~rlhforge.trainers.rl.RLTrainer`."""
+    import torch
+
     from rlhforge.config.batching import plan_rl_batches
     from rlhforge.models.loading import load_tokenizer
     from rlhforge.rewards.sources import build_reward_source
@@ -135,12 +137,33 @@ def build_trainer(cfg: RLConfig):
         tp_size=cfg.ds.tensor_parallel_size,  # ... / AutoTP size (backend/autotp.py)
         num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps,
     )
-    placement = reward_group = None
+    placement = reward_group = driver_vllm = None
+    if ray_mode and not cfg.vllm.num_engines and cfg.train.device != "cpu" and _cuda_here():
+        raise ConfigError("Ray workers on GPUs generate with vLLM engine actors: add --vllm.num_engines N (the "
+                          "driver's HF engine would take cuda:0 outside Ray's GPU accounting, beside actor rank 0), "
+                          "or --train.device cpu")
+    if cfg.vllm.num_engines and not ray_mode:  # in the driver; started before the models load (see launch.py)
+        from rlhforge.rollout.vllm_engine import build_vllm_engines
+
+        driver_vllm = build_vllm_engines(cfg, tokenizer, max_model_len=_vllm_max_model_len(cfg, prompts, eval_prompts))
+        if cfg.vllm.enable_sleep:
+            driver_vllm.sleep()
     if ray_mode:
         from rlhforge.distributed.launch import build_ray_groups
 
-        actor, ref, critic, placement, reward_group = build_ray_groups(cfg, tokenizer, plan)
-        device = resolve_device(cfg.train.device)  # the driver's: HF engine (reward models: their Ray group)
+        start_engines = None
+        if cfg.vllm.num_engines:  # engine actors on their bundles, synced from actor rank 0; started first
+            from rlhforge.distributed.engine_actors import build_engine_actors
+
+            max_len = _vllm_max_model_len(cfg, prompts, eval_prompts)
+
+            def start_engines(placement, pgs):
+                return build_engine_actors(cfg, tokenizer, max_len, placement, pgs)
+
+        actor, ref, critic, placement, reward_group, ray_engines = build_ray_groups(cfg, tokenizer, plan,
+                                                                                    start_engines)
+        # the driver holds no model with Ray workers (engines and reward models are Ray actors): no GPU for it
+        device = torch.device("cpu") if cfg.vllm.num_engines else resolve_device(cfg.train.device)
         strategy_name = f"{cfg.ds.strategy}/ZeRO-{cfg.ds.zero_stage} in Ray workers ({placement.describe()})"
     else:
         actor_w = ActorWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps)
@@ -163,15 +186,10 @@ def build_trainer(cfg: RLConfig):
 
     executor = build_executor(cfg, tokenizer, reward_source)  # single-turn unless --train.agent_func_path
     engine_dtype = resolve_dtype(cfg.ds.param_dtype, device)  # the HF engine's weights: the run's precision
-    if cfg.vllm.num_engines and ray_mode:  # engine actors on their bundles, synced from actor rank 0
-        from rlhforge.distributed.engine_actors import build_engine_actors
-
-        engine = build_engine_actors(cfg, tokenizer, _vllm_max_model_len(cfg, prompts, eval_prompts), placement,
-                                     actor.pgs)
+    if cfg.vllm.num_engines and ray_mode:  # engine actors, started before the models (build_ray_groups)
+        engine = ray_engines
     elif cfg.vllm.num_engines:  # vLLM engines load the actor's folder; the trainer syncs weights after each step
-        from rlhforge.rollout.vllm_engine import build_vllm_engines
-
-        engine = build_vllm_engines(cfg, tokenizer, max_model_len=_vllm_max_model_len(cfg, prompts, eval_prompts))
+        engine = driver_vllm
     elif (ray_mode or cfg.ds.strategy == "fsdp2"
           or (cfg.ds.zero_stage == 3 and type(actor_w.strategy).__name__ == "DeepSpeedStrategy")
           or (cfg.ds.lora.rank > 0 and not cfg.ds.load_in_4bit)):
@@ -199,6 +217,12 @@ def build_trainer(cfg: RLConfig):
                         engine=engine, reward_source=reward_source, logger=logger, run_dir=out, executor=executor)
     trainer.reward_group = reward_group  # closed by run()
     return trainer
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _vllm_max_model_len(cfg: RLConfig, prompts, eval_prompts) -> int:

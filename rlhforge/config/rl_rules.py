@@ -21,6 +21,7 @@ from rlhforge.config.validation import (
     validate_aux_loss_coef,
     validate_experts_implementation,
     validate_fault_limits,
+    validate_fp16,
     validate_logging_steps,
 )
 
@@ -407,6 +408,11 @@ def _validate_tensor_parallel(cfg) -> None:
 
 def _validate_distributed(cfg) -> None:
     t = cfg.train
+    validate_fp16(cfg.ds, rl_strategy(cfg))
+    if t.async_enable and t.colocate_all:
+        raise ConfigError("--train.async_enable with --train.colocate_all: async training generates while the "
+                          "actor trains, and colocated models and engines take turns on the same devices (as in "
+                          "OpenRLHF, one or the other)")
     for name in ("actor", "critic", "ref"):
         sec = getattr(cfg, name)
         if sec.num_nodes < 1 or sec.num_gpus_per_node < 1:

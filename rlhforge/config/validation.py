@@ -85,6 +85,15 @@ def validate_tensor_parallel(ds, world: int) -> None:
                           "use one of the two")
 
 
+def validate_fp16(ds, strategy: str) -> None:
+    """fp16 needs loss scaling, which only the DeepSpeed strategy applies (dynamic, DeepSpeed's own): the
+    torch and FSDP2 strategies would train fp16 with unscaled gradients that underflow to zero."""
+    if ds.param_dtype == "fp16" and strategy != "deepspeed":
+        raise ConfigError(f"--ds.param_dtype fp16 with the {strategy} strategy: it has no loss scaling, so small "
+                          "fp16 gradients underflow; use --ds.param_dtype bf16, or --ds.strategy deepspeed (dynamic "
+                          "loss scaling)")
+
+
 def validate_common(cfg) -> None:
     """Start-up checks shared by sft, rm and dpo."""
     if cfg.model.model_name_or_path is None:
@@ -96,6 +105,7 @@ def validate_common(cfg) -> None:
                           "(each ring rank routes a slice of the sequence)")
     validate_ring_attention(cfg.ds, world_size())  # sft, rm, dpo (docs/long_context.md)
     validate_tensor_parallel(cfg.ds, world_size())  # AutoTP: sft, rm, dpo (backend/autotp.py)
+    validate_fp16(cfg.ds, resolved_strategy(cfg.ds.strategy, world_size()))
     if getattr(cfg, "use_ms", False):
         raise ConfigError("--use_ms (ModelScope) is not supported; download the model and pass a local folder")
     validate_aux_loss_coef(cfg.model.aux_loss_coef, "--model.aux_loss_coef")  # sft, rm and dpo add it

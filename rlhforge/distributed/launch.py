@@ -46,25 +46,49 @@ def ray_device(requested: str) -> str:
     return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
 
 
-def build_ray_groups(cfg, tokenizer, plan):
-    """Placement groups and the actor / ref / critic Ray worker groups of one run.
+def build_ray_groups(cfg, tokenizer, plan, start_engines=None):
+    """Placement groups, the generation engines and the actor / ref / critic Ray worker groups of one run.
 
-    Returns ``(actor, ref, critic, placement, reward)``; ref/critic/reward are None when the run has
-    none (``reward``: the reward-model group, :mod:`rlhforge.distributed.reward_worker`)."""
-    import ray
+    ``start_engines(placement, pgs)`` (the vLLM engine actors, or None) runs *before* any model loads,
+    as in OpenRLHF: a colocated vLLM engine checks at start-up that the share of GPU memory it was given
+    (``--vllm.gpu_memory_utilization``) is free, which it no longer is once the trainers sit on the GPU;
+    with ``--vllm.enable_sleep`` the engines then go to sleep until the first generation.
 
+    Returns ``(actor, ref, critic, placement, reward, engine)``; ref/critic/reward/engine are None when
+    the run has none (``reward``: the reward-model group, :mod:`rlhforge.distributed.reward_worker`)."""
     from rlhforge.distributed.placement import plan_from_config
-    from rlhforge.distributed.ray_group import RayWorkerGroup, create_placement_groups
-    from rlhforge.distributed.reward_worker import RewardWorker
-    from rlhforge.distributed.workers import ActorWorker, CriticWorker, RefWorker
+    from rlhforge.distributed.ray_group import create_placement_groups
 
     init_ray()
     device = ray_device(cfg.train.device)
     placement = plan_from_config(cfg, device)  # the plan --train.plan_only prints; engines are Ray actors too
-    sizes = {name: g.num_workers for name, g in placement.groups.items()}
-    num_engines = len(placement.engines)
     wait_for_resources(placement)
     pgs = create_placement_groups(placement)
+    engine = None
+    if start_engines is not None:
+        engine = start_engines(placement, pgs)  # ready: every engine has started (EngineActors.ready)
+        if cfg.vllm.enable_sleep:
+            engine.sleep()
+    try:
+        actor, ref, critic, reward = _start_groups(cfg, tokenizer, plan, placement, pgs, device)
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        raise
+    actor.placement_groups = list(pgs.values())  # removed by close_groups
+    actor.pgs = pgs  # the engine actors' bundles (distributed.engine_actors.build_engine_actors)
+    if not cfg.vllm.sync_with_ray and not placement.engines:  # the driver's engine: a channel rank 0 -> driver
+        actor.open_weight_channel(cfg.vllm.sync_bucket_mb)
+    return actor, ref, critic, placement, reward, engine
+
+
+def _start_groups(cfg, tokenizer, plan, placement, pgs, device):
+    """The model groups on their bundles, all loading at the same time: ``(actor, ref, critic, reward)``."""
+    from rlhforge.distributed.ray_group import RayWorkerGroup
+    from rlhforge.distributed.reward_worker import RewardWorker
+    from rlhforge.distributed.workers import ActorWorker, CriticWorker, RefWorker
+
+    sizes = {name: g.num_workers for name, g in placement.groups.items()}
     env = {"RLHFORGE_RAY_WORKER": "1", **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}
 
     def group(name, factory, args, process_group=True):
@@ -86,11 +110,7 @@ def build_ray_groups(cfg, tokenizer, plan):
     for g in (actor, ref, critic, reward):  # all groups load their models at the same time; wait for them here
         if g is not None:
             g.ready()
-    actor.placement_groups = list(pgs.values())  # removed by close_groups
-    actor.pgs = pgs  # the engine actors' bundles (distributed.engine_actors.build_engine_actors)
-    if not cfg.vllm.sync_with_ray and not num_engines:  # the driver's engine: a channel rank 0 -> the driver
-        actor.open_weight_channel(cfg.vllm.sync_bucket_mb)
-    return actor, ref, critic, placement, reward
+    return actor, ref, critic, reward
 
 
 def wait_for_resources(placement, timeout_s: float = 30.0) -> None:

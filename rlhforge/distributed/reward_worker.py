@@ -39,6 +39,7 @@ class RewardWorker:
         from rlhforge.rewards.sources import RewardModels, reward_ds_config, reward_model_config, reward_model_paths
 
         device = device if device is not None else resolve_device(cfg.train.device, dist_info().local_rank)
+        self.device = device
         self.paths = reward_model_paths(cfg.reward.model_name_or_path)
         self.models = RewardModels(self.paths, reward_model_config(cfg), reward_ds_config(cfg), device,
                                    pad_token_id=tokenizer.pad_token_id, normalize=cfg.reward.normalize_enable,
@@ -52,6 +53,11 @@ class RewardWorker:
 
     def offload_stats(self) -> list[dict]:
         return self.models.offload_stats()
+
+    def release_cached_memory(self) -> int:
+        from rlhforge.backend.device import release_cached_memory
+
+        return release_cached_memory(self.device)
 
 
 class RewardGroupScorer:

@@ -55,6 +55,12 @@ class TrainableWorker:
 
         return peak_memory_bytes(self.strategy.device) / 2**30
 
+    def release_cached_memory(self) -> int:
+        """Cached, unused device memory back to the GPU (before a colocated engine wakes up); bytes released."""
+        from rlhforge.backend.device import release_cached_memory
+
+        return release_cached_memory(self.strategy.device)
+
     def offload_states(self) -> dict:
         """``--ds.enable_sleep``: optimizer states to host memory between training phases."""
         from rlhforge.backend.sleep import offload_states

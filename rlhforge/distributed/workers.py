@@ -262,10 +262,13 @@ class ActorWorker(TrainableWorker):
         self._bucket_bytes = int(bucket_bytes)
 
     def _engine_weights(self):
-        """(name, tensor) pairs the engines load, on every rank (only rank 0's are sent): streamed one
-        gathered parameter at a time, or, with LoRA, the merged full state dict (rank 0; {} elsewhere)."""
+        """(name, tensor) pairs the engines load, the same sequence on every rank (the CUDA-IPC sync has
+        every rank send each bucket; the group sync sends rank 0's): streamed one gathered parameter at a
+        time, with LoRA adapters merged into their base weights as they pass."""
         if self.cfg.ds.lora.rank > 0 and not self.cfg.ds.load_in_4bit:
-            return (self.engine_state_dict() or {}).items()
+            from rlhforge.models.export import merged_lora_stream
+
+            return merged_lora_stream(self.strategy.iter_full_weights(), self.strategy.module)
         return self.strategy.iter_full_weights()
 
     def send_weights(self) -> int:
@@ -350,3 +353,8 @@ class RefWorker:
 
     def offload_stats(self) -> dict:
         return self.frozen.stats()
+
+    def release_cached_memory(self) -> int:
+        from rlhforge.backend.device import release_cached_memory
+
+        return release_cached_memory(self.device)

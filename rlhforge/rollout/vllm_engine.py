@@ -476,7 +476,8 @@ def vllm_dtype(param_dtype: str, cpu: bool) -> str:
     (``auto`` trains in fp32 on CPU, and fp32 engines agree with the trainer's log-probs to ~1e-6)."""
     if cpu:
         return "bfloat16" if param_dtype == "bf16" else "float32"
-    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(param_dtype, "auto")
+    # ``auto`` trains in bf16 on GPUs (backend.device.resolve_dtype): the engines too, not the config's dtype
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(param_dtype, "bfloat16")
 
 
 def build_vllm_engines(cfg, tokenizer, max_model_len: int):

@@ -275,7 +275,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
             lo, hi = cfg.algo.dynamic_filtering_range
             return bool(dynamic_filter(torch.tensor([t.score for t in group]), n, lo, hi)[0])
 
-        self.engine.wake_up()  # oversampling buffer and its resume accounting: trainers/rl_data.py
+        self._wake_engine()  # oversampling buffer and its resume accounting: trainers/rl_data.py
         got = gather_groups(self.stream, self.rollout_buffer, need=need, round_size=cfg.rollout.vllm_generate_batch_size,
                             generate=generate, accept=accept if cfg.algo.dynamic_filtering_enable else None,
                             max_refills=cfg.algo.max_filter_refills)
@@ -433,6 +433,15 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         out["actor/frozen"] = float(actor_frozen)
         return out
 
+    def _wake_engine(self) -> None:
+        """Wake the engines; with vLLM's sleep mode, every model group first hands its cached, unused device
+        memory back (a colocated engine sizes its KV cache from what the GPU has free)."""
+        if self.cfg.vllm.enable_sleep:
+            for g in (self.actor, self.critic, self.ref, getattr(self, "reward_group", None)):
+                if g is not None:
+                    g.call("release_cached_memory")
+        self.engine.wake_up()
+
     def sync_weights(self) -> None:
         """Gather the actor's full weights (all ranks take part; rank 0 returns them) and load them into
         the engines; then tell the rollout source which weights version the engines hold."""
@@ -456,7 +465,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         idx = list(range(len(self.eval_prompts)))
         reqs, params = self._requests(idx, idx, n, cfg.eval.temperature, max_new, salt=7, prompts=self.eval_prompts)
         with self._engine_guard():
-            self.engine.wake_up()
+            self._wake_engine()
             trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
             self.engine.sleep()
         trajs, _ = drop_failed_groups(trajs, n)

@@ -335,5 +335,12 @@ def test_vllm_engines_take_the_runs_precision_bf16_included_on_cpu():
 
     assert [vllm_dtype(d, cpu=True) for d in ("auto", "fp32", "bf16", "fp16")] == \
         ["float32", "float32", "bfloat16", "float32"]
+    # GPU: ``auto`` trains in bf16 (backend.device.resolve_dtype), so the engines take bf16 too, not the
+    # checkpoint's own dtype (issue 30: an fp32 checkpoint gave fp32 engines beside a bf16 trainer)
     assert [vllm_dtype(d, cpu=False) for d in ("auto", "fp32", "bf16", "fp16")] == \
-        ["auto", "float32", "bfloat16", "float16"]
+        ["bfloat16", "float32", "bfloat16", "float16"]
+    from rlhforge.backend.device import resolve_dtype
+
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    for d in ("auto", "fp32", "bf16", "fp16"):  # the same rule as the trainer's, on the GPU
+        assert vllm_dtype(d, cpu=False) == names[resolve_dtype(d, torch.device("cuda"))]

@@ -1,0 +1,48 @@
+"""Start-up refusals added by issue 30's review of the GPU paths (each names the flags and the reason)."""
+
+import pytest
+
+from rlhforge.cli.train_ppo_ray import parse_rl_args
+from rlhforge.config.parsing import ConfigError
+from tests.rl.helpers import rl_args
+
+
+def _cfg(tmp_path, *extra):
+    return rl_args("/nonexistent/model", tmp_path / "run", *extra)
+
+
+def test_async_training_with_colocation_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--train.async_enable with --train.colocate_all"):
+        parse_rl_args(_cfg(tmp_path, "--train.async_enable", "--train.colocate_all"))
+
+
+@pytest.mark.parametrize("strategy", ["torch", "fsdp2"])
+def test_fp16_without_loss_scaling_is_refused(tmp_path, strategy):
+    with pytest.raises(ConfigError, match=f"fp16 with the {strategy} strategy: it has no loss scaling"):
+        parse_rl_args(_cfg(tmp_path, "--ds.strategy", strategy, "--ds.param_dtype", "fp16"))
+
+
+def test_fp16_is_refused_for_sft_too(tmp_path):
+    from rlhforge.config.parsing import parse_args
+    from rlhforge.config.sft import SFTConfig
+
+    with pytest.raises(ConfigError, match="fp16 with the torch strategy"):
+        parse_args(SFTConfig, ["--model.model_name_or_path", "x", "--data.dataset", "builtin:arithmetic",
+                               "--ds.param_dtype", "fp16"])
+
+
+def test_fp16_under_deepspeed_is_accepted(tmp_path):
+    cfg = parse_rl_args(_cfg(tmp_path, "--ds.strategy", "deepspeed", "--ds.param_dtype", "fp16"))
+    assert cfg.ds.param_dtype == "fp16"
+
+
+def test_ray_driver_never_takes_a_gpu_outside_rays_accounting(tmp_path, tiny_model_dir, monkeypatch):
+    """With Ray workers on a GPU machine and no vLLM engine actors, the driver's HF engine would sit on
+    cuda:0 beside actor rank 0 without Ray knowing: refused before Ray starts or any model loads."""
+    import rlhforge.cli.train_ppo_ray as cli
+
+    monkeypatch.setattr(cli, "_cuda_here", lambda: True)  # the probe of this machine's CUDA, as on a GPU node
+    cfg = parse_rl_args(rl_args(tiny_model_dir, tmp_path / "run", "--actor.num_gpus_per_node", "2",
+                                "--train.workers", "ray"))
+    with pytest.raises(ConfigError, match="outside Ray's GPU accounting"):
+        cli.build_trainer(cfg)
