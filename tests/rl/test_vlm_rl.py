@@ -215,7 +215,8 @@ def test_vlm_refusals(vlm_dir, rl_data, tmp_path, capsys, extra, needle):
     assert "is a vision-language model" in err and needle in err
 
 
-def test_vllm_engines_with_a_vlm_need_a_torchvision_vllm_can_use(vlm_dir, rl_data, tmp_path, capsys):
+def test_vllm_engines_with_a_vlm_need_a_torchvision_vllm_can_use(vllm, vlm_dir, rl_data, tmp_path, capsys):
+    # (the ``vllm`` fixture: without vLLM the run stops earlier, at "needs vLLM", a refusal tested elsewhere)
     from rlhforge.rollout.vllm_vision import vlm_unsupported_reason
 
     if vlm_unsupported_reason() is None:
