@@ -143,6 +143,27 @@ class DeepSpeedStrategy:
     def autocast(self):
         return contextlib.nullcontext()  # DeepSpeed casts the model itself
 
+    @contextlib.contextmanager
+    def model_init(self):
+        """Load the model inside this (``with strategy.model_init(): model = from_pretrained(...)``). Under
+        ZeRO-3 transformers then builds it inside ``deepspeed.zero.Init`` (a live ``HfDeepSpeedConfig``
+        tells it to): each rank holds only its partition from the start, instead of every rank loading the
+        whole fp32 model before ``prepare`` shards it. The config object is dropped on exit, so later
+        ``from_pretrained`` calls in this process (an engine's copy) load whole models again."""
+        if self.ds_cfg.zero_stage != 3 or self.tp_size > 1:
+            yield
+            return
+        from transformers.integrations import HfDeepSpeedConfig
+
+        plan = self.batch_plan
+        config = deepspeed_config(self.ds_cfg, self.optim_cfg, self.dtype, plan.micro_batch_size,
+                                  plan.grad_accum_steps)
+        live = HfDeepSpeedConfig(config)  # transformers holds a weak reference to it
+        try:
+            yield
+        finally:
+            del live
+
     def backward(self, loss: torch.Tensor, is_last_micro_batch: bool = True) -> None:
         # The number of micro-batches per step may vary (token budgets): we own the boundary and the
         # loss scaling (the trainer already divided by the global count), so no 1/GAS here.

@@ -74,6 +74,10 @@ class FSDP2Strategy:
     def module(self) -> torch.nn.Module:
         return self.model
 
+    def model_init(self):
+        """Where the model is loaded (``Strategy.model_init``): nothing to do here, the model loads whole."""
+        return contextlib.nullcontext()
+
     def autocast(self):
         return contextlib.nullcontext()  # the mixed-precision policy casts
 

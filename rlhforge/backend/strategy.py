@@ -33,6 +33,9 @@ class Strategy(Protocol):
 
     def autocast(self) -> AbstractContextManager: ...
 
+    def model_init(self) -> AbstractContextManager:
+        """Load the model inside this: DeepSpeed ZeRO-3 partitions it as it loads (``zero.Init``)."""
+
     def backward(self, loss: torch.Tensor, is_last_micro_batch: bool) -> None: ...
 
     def step(self) -> dict[str, float]:

@@ -48,6 +48,10 @@ class TorchStrategy:
     def module(self) -> torch.nn.Module:
         return self._module
 
+    def model_init(self):
+        """Where the model is loaded (``Strategy.model_init``): nothing to do here, the model loads whole."""
+        return contextlib.nullcontext()
+
     def autocast(self):
         if self.dtype == torch.float32:
             return contextlib.nullcontext()

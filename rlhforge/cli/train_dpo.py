@@ -77,10 +77,11 @@ def run(cfg: DPOConfig) -> Path:
                         world_size=dist_info().world_size // max(cfg.ds.tensor_parallel_size, 1),  # AutoTP: dp ranks
                         max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps, ring_size=ring_size)
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
-    if processor is not None:
-        model = load_vlm_model(cfg, strategy.device)
-    else:
-        model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
+    with strategy.model_init():  # ZeRO-3: partitioned as it loads
+        if processor is not None:
+            model = load_vlm_model(cfg, strategy.device)
+        else:
+            model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
     ref_model = load_reference_model(cfg, strategy, vlm=processor is not None)
     ring = None
     if ring_size > 1:  # policy and reference run every packed row across the ring (docs/long_context.md)

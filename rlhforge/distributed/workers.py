@@ -101,8 +101,9 @@ class ActorWorker(TrainableWorker):
         plan = plan_for(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
         self.strategy = build_strategy(cfg.ds, cfg.actor.optim_config(), cfg.train, plan)
         seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
-        model = load_policy(cfg.actor.model_name_or_path, cfg.actor, cfg.ds, self.strategy.device, tokenizer,
-                            freeze_visual_encoder=cfg.actor.freeze_visual_encoder)
+        with self.strategy.model_init():  # ZeRO-3: partitioned as it loads
+            model = load_policy(cfg.actor.model_name_or_path, cfg.actor, cfg.ds, self.strategy.device, tokenizer,
+                                freeze_visual_encoder=cfg.actor.freeze_visual_encoder)
         if cfg.ds.ring_attn_size > 1:
             from rlhforge.backend.context_parallel import new_ring_group, use_ring_attention
 
