@@ -1,0 +1,106 @@
+"""The GPU check (benchmarks/gpu/check_rl.sh) on CPU: its dry run prints every stage's command and runs
+none, and its CPU smoke runs every stage (gloo for NCCL, shared memory for CUDA IPC, a tiny model) to a
+passing results JSON in the work folder, never in benchmarks/results/."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "gpu" / "check_rl.sh"
+STAGES = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "grpo_torch", "grpo_fsdp2", "trl")
+
+
+def _load(name: str):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CHECK_RL_PYTHON": sys.executable}
+    env.pop("OUT", None)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=str(REPO))
+
+
+def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out.json"
+    r = _run(["--dry-run", "--work", str(work), "--out", str(out)], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for stage in STAGES:
+        assert f"DRY-RUN [{stage}]" in r.stdout, stage
+    lines = r.stdout.splitlines()
+    grpo = [ln for ln in lines if ln.strip().startswith("grpo_fsdp2.spec.json:")]
+    assert len(grpo) == 1 and '"--ds.strategy", "fsdp2"' in grpo[0] and '"--ds.param_dtype", "bf16"' in grpo[0]
+    assert '"--train.device", "cuda"' in grpo[0] and '"nccl"' in grpo[0]
+    pytest_cmd = next(ln for ln in lines if ln.startswith("DRY-RUN [gpu_tests]"))
+    assert " -m gpu " in pytest_cmd and "tests/rl/test_sleep.py" in pytest_cmd
+    assert not out.exists() and not work.exists()  # nothing ran, nothing was written
+
+
+def test_cpu_smoke_refuses_to_write_into_benchmarks_results(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / "check_rl.py"), "--cpu-smoke", "--work", str(tmp_path),
+                        "--out", str(REPO / "benchmarks" / "results" / "gpu_check_smoke.json")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "never writes to benchmarks/results/" in r.stderr
+
+
+def test_pytest_summary_and_wheel_tags_are_parsed():
+    metrics = _load("gpu_metrics")
+    out = ("SKIPPED [1] tests/rl/test_vllm_vlm.py:201: vllm is not importable here\n"
+           "FAILED tests/rl/test_sleep.py::test_x - AssertionError\n"
+           "== 1 failed, 2 passed, 3 skipped, 14 deselected, 1 error in 3.20s ==\n")
+    c = metrics.parse_pytest(out)
+    assert (c["passed"], c["failed"], c["skipped"], c["errors"], c["deselected"]) == (2, 1, 3, 1, 14)
+    assert c["skip_reasons"] == ["SKIPPED [1] tests/rl/test_vllm_vlm.py:201: vllm is not importable here"]
+    assert c["failed_tests"] == ["FAILED tests/rl/test_sleep.py::test_x - AssertionError"]
+    check = _load("check_rl")
+    here = f"{sys.version_info.major}{sys.version_info.minor}"
+    assert check.wheel_fits("tyro-1.0.17-py3-none-any.whl", sys.executable)
+    assert check.wheel_fits(f"multiprocess-0.70.19-py{here}-none-any.whl", sys.executable)
+    assert not check.wheel_fits("multiprocess-0.70.19-py39-none-any.whl", sys.executable)
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_stage_to_a_passing_json(tmp_path):
+    results = REPO / "benchmarks" / "results" / "gpu_check.json"
+    before = results.stat().st_mtime if results.exists() else None
+    work = tmp_path / "work"
+    r = _run(["--cpu-smoke", "--no-install", "--work", str(work)], timeout=420)
+    data = json.loads((work / "gpu_check_cpu_smoke.json").read_text())
+    assert r.returncode == 0, (data.get("failed_stages"), r.stdout[-4000:], r.stderr[-2000:])
+    assert data["mode"] == "cpu-smoke" and data["ok"] and data["exit_code"] == 0
+    st = data["stages"]
+    assert list(st) == ["env", "model", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "grpo_torch", "grpo_fsdp2",
+                        "trl"]
+    for name, rec in st.items():
+        assert rec["status"] in ("ok", "n/a"), (name, rec)
+    assert st["trl"]["status"] == ("ok" if importlib.util.find_spec("trl") else "n/a")
+    bug1 = st["bug1"]["result"]
+    assert bug1["group"]["backend"] == "gloo" and bug1["bug_reproduced"] is False  # the bug is NCCL-only
+    assert bug1["fixed"]["has_device_parameter"] and all(s["ok"] for s in bug1["strategies"].values())
+    assert set(bug1["strategies"]) == {"torch", "fsdp2"}
+    assert st["nccl_group"]["result"]["buckets"] >= 1
+    ipc = st["ipc_sync"]["result"]
+    assert ipc["fingerprints_equal"] and ipc["fingerprint_differs_before_sync"]
+    assert ipc["greedy"]["equal_prompts"] == ipc["greedy"]["prompts"] == 16
+    assert st["gpu_tests"]["counts"]["failed"] == 0 and st["gpu_tests"]["counts"]["skipped"] >= 1
+    for name in ("grpo_torch", "grpo_fsdp2"):
+        summary = st[name]["result"]["summary"]
+        assert summary["steps"] == 2 and summary["per_step"][0]["generated_tokens"] > 0, name
+        assert {"generation", "training", "sync"} <= set(summary["phase_s_mean"]), name
+    assert len(data["summary"]) == len(STAGES)
+    assert (results.stat().st_mtime if results.exists() else None) == before  # the smoke never writes there
