@@ -44,7 +44,7 @@ SCHEMA = "rlhforge.gpu_check/2"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_check.json"
 ORDER = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "grpo_torch", "grpo_fsdp2", "trl")
 # per-stage timeouts (s); the whole check also stops at --budget-s. The model build runs beside bug1..gpu_tests.
-CAPS = {"gpu": {"env": 25, "bug1": 30, "nccl_group": 30, "ipc_sync": 50, "gpu_tests": 70, "model": 150,
+CAPS = {"gpu": {"env": 40, "bug1": 30, "nccl_group": 30, "ipc_sync": 50, "gpu_tests": 70, "model": 150,
                 "grpo_torch": 80, "grpo_fsdp2": 80, "trl": 60},
         "cpu-smoke": {"env": 40, "bug1": 40, "nccl_group": 40, "ipc_sync": 60, "gpu_tests": 90, "model": 120,
                       "grpo_torch": 100, "grpo_fsdp2": 100, "trl": 100}}
@@ -386,6 +386,13 @@ class Check:
         if self.dry:
             print("DRY-RUN: nothing was run; the results would go to", self.out)
             return 0
+        out_dir = os.environ.get("OUT")
+        if out_dir and Path(out_dir).is_dir() and self.mode == "gpu":  # every stage's log and result, for the record
+            dest = Path(out_dir) / "gpu_check_stages"
+            dest.mkdir(exist_ok=True)
+            for f in [*self.work.glob("*.log"), *self.work.glob("*.result.json")]:
+                if f.name != "check_rl.log" and f.stat().st_size < (4 << 20):
+                    shutil.copy(f, dest / f.name)
         print("\n".join(["[check_rl] summary:"] + [f"  {line}" for line in self.res["summary"]]), flush=True)
         verdict = "OK" if code == 0 else f"FAILED ({', '.join(bad) or 'crash'})"
         print(f"[check_rl] {verdict} in {time.time() - self.t0:.0f} s; results: {self.out}", flush=True)
@@ -434,6 +441,10 @@ def headline(name: str, rec: dict) -> str:
         s += f"  (summary failed: {err})"
     if rec.get("why"):
         s += f"  ({rec['why'][:150]})"
+    if rec.get("status") not in ("ok", "n/a", "dry-run"):
+        errors = r.get("errors") or [ln for ln in (rec.get("output_tail") or "").splitlines() if ln.strip()][-1:]
+        if errors:
+            s += f"  error: {errors[0][:200]}"
     return s
 
 
