@@ -23,8 +23,19 @@ import torch
 
 from rlhforge.backend.strict_device import check, place
 
-__all__ = ["open_group", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
+__all__ = ["SyncTimeout", "open_group", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
            "stream_buckets", "receive_state", "state_fingerprint", "Fingerprint", "SyncGroup"]
+
+
+class SyncTimeout(RuntimeError):
+    """A weight-sync collective made no progress within its deadline (a member died or hung)."""
+
+
+def watchdog_timeout_s(deadline_s: float) -> float:
+    """The group's own (NCCL watchdog / gloo) timeout for a sync whose waits have ``deadline_s``: later than
+    the deadline, so the member's own wait raises first and the group is aborted by rlhforge (by default
+    NCCL's watchdog ends the whole process on its timeout: TORCH_NCCL_ASYNC_ERROR_HANDLING)."""
+    return 2 * deadline_s + 30.0
 
 
 def free_port() -> int:
@@ -35,7 +46,9 @@ def free_port() -> int:
 
 def open_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
                timeout_s: float = 1800.0):
-    """Join (rank 0: host) a ``world_size``-member group. Blocks until every member has joined."""
+    """Join (rank 0: host) a ``world_size``-member group. Blocks until every member has joined (at most
+    ``timeout_s``). A gloo group's timeout is ``timeout_s``; an NCCL group's watchdog gets
+    :func:`watchdog_timeout_s` of it (the waits' own deadline comes first)."""
     from torch.distributed import TCPStore
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -44,7 +57,7 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str = 
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        opts._timeout = datetime.timedelta(seconds=watchdog_timeout_s(timeout_s))  # after the waits' deadline
         return ProcessGroupNCCL(store, rank, world_size, opts)
     if backend != "gloo":
         raise ValueError(f"weight-sync backend {backend!r}: expected 'gloo' or 'nccl'")
@@ -121,10 +134,21 @@ def stream_buckets(named, bucket_bytes: int, device: str | torch.device = "cpu"
     yield (*(pending or ([], None)), True)
 
 
-def _broadcast(pg, tensor: torch.Tensor) -> None:
-    """One broadcast from member 0 of ``pg`` (strict-device mode: ``tensor`` is checked for the group's device)."""
+def _broadcast(pg, tensor: torch.Tensor, deadline_s: float | None = None) -> None:
+    """One broadcast from member 0 of ``pg``, waited on for at most ``deadline_s`` (then :class:`SyncTimeout`;
+    the caller aborts the group). Strict-device mode checks ``tensor`` for the group's device."""
     check(tensor, pg_backend(pg), "weight-sync broadcast")
-    pg.broadcast(tensor, 0).wait()
+    work = pg.broadcast(tensor, 0)
+    if deadline_s is None:
+        work.wait()
+        return
+    try:
+        done = work.wait(datetime.timedelta(seconds=deadline_s))
+    except RuntimeError as err:  # gloo and NCCL raise on an expired wait
+        raise SyncTimeout(f"weight-sync broadcast: no progress within {deadline_s:g} s ({str(err).splitlines()[0]})"
+                          ) from None
+    if done is False:
+        raise SyncTimeout(f"weight-sync broadcast: no progress within {deadline_s:g} s")
 
 
 def pg_backend(pg) -> str | None:
@@ -133,32 +157,32 @@ def pg_backend(pg) -> str | None:
     return "nccl" if "nccl" in name else "gloo" if "gloo" in name else None
 
 
-def broadcast_state(pg, named, bucket_bytes: int, device: str = "cpu") -> int:
+def broadcast_state(pg, named, bucket_bytes: int, device: str = "cpu", deadline_s: float | None = None) -> int:
     """Rank 0's side: stream ``named`` to every member (:func:`stream_buckets`); per bucket, its header
     (names, dtypes, shapes, last-or-not), then its bytes. Returns the number of buckets."""
     sent = 0
     for entries, buf, last in stream_buckets(named, bucket_bytes, device):
         header = place(torch.frombuffer(bytearray(pickle.dumps((entries, last))), dtype=torch.uint8), device)
-        _broadcast(pg, place(torch.tensor([header.numel()], dtype=torch.int64), device))
-        _broadcast(pg, header)
+        _broadcast(pg, place(torch.tensor([header.numel()], dtype=torch.int64), device), deadline_s)
+        _broadcast(pg, header, deadline_s)
         if entries:
-            _broadcast(pg, place(buf, device))
+            _broadcast(pg, place(buf, device), deadline_s)
             sent += 1
     return sent
 
 
-def receive_state(pg, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def receive_state(pg, device: str = "cpu", deadline_s: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every other member's side: (name, tensor) pairs in the sender's order, one bucket at a time
     (consume the iterator to the end: each bucket is a collective every member takes part in)."""
     while True:
         size = place(torch.zeros(1, dtype=torch.int64), device)
-        _broadcast(pg, size)
+        _broadcast(pg, size, deadline_s)
         header = place(torch.empty(int(size.item()), dtype=torch.uint8), device)
-        _broadcast(pg, header)
+        _broadcast(pg, header, deadline_s)
         entries, last = pickle.loads(header.cpu().numpy().tobytes())
         if entries:
             buf = place(torch.empty(sum(_nbytes(d, s) for _, d, s in entries), dtype=torch.uint8), device)
-            _broadcast(pg, buf)
+            _broadcast(pg, buf, deadline_s)
             yield from unpack_bucket(buf, entries)
         if last:
             return
@@ -191,18 +215,38 @@ def state_fingerprint(named) -> str:
 
 
 class SyncGroup:
-    """One member's handle: ``open_group`` + the side it plays."""
+    """One member's handle: ``open_group`` + the side it plays. Every wait of a sync has ``timeout_s``; on
+    expiry (or any failure) the group is aborted, so no NCCL watchdog is left waiting on a dead peer, and
+    :class:`SyncTimeout` / the error is raised: the owner opens a new group for the next sync."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
                  device: str = "cpu", timeout_s: float = 1800.0):
         self.rank, self.world_size, self.backend, self.device = rank, world_size, backend, device
+        self.timeout_s = timeout_s
         self.pg = open_group(host, port, rank, world_size, backend, timeout_s)
 
     def send(self, named, bucket_bytes: int) -> int:
         """Broadcast a state dict or a stream of (name, tensor) pairs; returns the number of buckets."""
         assert self.rank == 0, "only rank 0 sends"
-        return broadcast_state(self.pg, named, bucket_bytes, self.device)
+        try:
+            return broadcast_state(self.pg, named, bucket_bytes, self.device, self.timeout_s)
+        except BaseException:
+            self.abort()
+            raise
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self.rank != 0, "rank 0 sends"
-        return receive_state(self.pg, self.device)
+        try:
+            yield from receive_state(self.pg, self.device, self.timeout_s)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Abort the group's communicators (NCCL: ``abort()``; gloo has nothing to abort); idempotent."""
+        abort = getattr(self.pg, "abort", None)
+        if abort is not None and self.backend == "nccl":
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - already torn down
+                pass

@@ -73,3 +73,43 @@ def test_streamed_buckets_follow_the_bucket_plan():
     back = {n: t for entries, buf, _ in got for n, t in unpack_bucket(buf, entries)}
     assert all(torch.equal(back[k], state[k]) and back[k].dtype == state[k].dtype for k in state)
     assert list(stream_buckets({}, 40)) == [([], None, True)]
+
+
+def test_a_member_that_never_answers_ends_the_sync_at_its_deadline():
+    """Issue 30, bug 7: a dead engine left actor rank 0 in the group's 30-minute timeout. Each wait now has
+    the sync's deadline (``--vllm.sync_timeout_s``), well before the group's own timeout: rank 0 gets
+    ``SyncTimeout`` in bounded time and the group is aborted; a new group then syncs as usual."""
+    import time
+
+    import pytest
+
+    from rlhforge.backend.collective import SyncTimeout, watchdog_timeout_s
+
+    assert watchdog_timeout_s(2.0) > 2.0  # the group's own timeout comes after the waits' deadline
+    port = free_port()
+    groups = {}
+    joins = [threading.Thread(target=lambda r=r: groups.setdefault(r, SyncGroup("127.0.0.1", port, r, 2,
+                                                                                timeout_s=2.0))) for r in (0, 1)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(timeout=60)
+    assert set(groups) == {0, 1}
+    t0 = time.monotonic()
+    with pytest.raises(SyncTimeout, match="no progress within 2 s"):
+        groups[0].send({"w": torch.ones(4)}, 1 << 20)  # member 1 never receives (a dead engine)
+    assert time.monotonic() - t0 < 20  # the deadline, not 30 minutes (NCCL's watchdog would get 34 s)
+    # the next sync opens a new group and completes
+    port = free_port()
+    fresh, out = {}, {}
+    joins = [threading.Thread(target=lambda r=r: fresh.setdefault(r, SyncGroup("127.0.0.1", port, r, 2,
+                                                                               timeout_s=30.0))) for r in (0, 1)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(timeout=60)
+    recv = threading.Thread(target=lambda: out.update(fresh[1].receive()))
+    recv.start()
+    fresh[0].send({"w": torch.arange(4.0)}, 1 << 20)
+    recv.join(timeout=60)
+    assert torch.equal(out["w"], torch.arange(4.0))
