@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         res.fail(_err(err))
         res["trace"] = traceback.format_exc()[-3000:]
     res.save()
-    print(f"[check_rl_child] {a.stage}: {'ok' if res.get('ok') else 'FAILED'} in {res['elapsed_s']} s", flush=True)
+    verdict = 'ok' if res.get('ok') else 'n/a' if res.get('not_applicable') else 'FAILED'
+    print(f"[check_rl_child] {a.stage}: {verdict} in {res['elapsed_s']} s", flush=True)
     return 0 if res.get("ok") or res.get("not_applicable") else 1
 
 
