@@ -10,7 +10,8 @@ OpenRLHF do: rank and bundle numbers differ across nodes and placements). Handle
 travel as plain ints, strings and bytes (:mod:`rlhforge.rollout.vllm_compat`: vLLM's msgpack serializer
 takes nothing else). The buffers are freed after a barrier, so each GPU holds one bucket beyond the
 model. An engine that fails or does not answer within ``timeout_s`` is left out of the later buckets and
-reported (the driver restarts it). GPU only (the CPU build has no CUDA IPC); the GPU check exercises it.
+reported (the driver restarts it). GPU only (the CPU build has no CUDA IPC); the GPU check runs the same
+bucket/handle mechanism into a plain-torch receiver (no vLLM on that machine), not this module.
 """
 
 from __future__ import annotations
