@@ -30,3 +30,17 @@ def run_torchrun(cmd, **kwargs) -> subprocess.CompletedProcess:
         warnings.warn(f"gloo teardown abort (SIGABRT at exit); rerunning once: {' '.join(map(str, cmd[:8]))}")
         proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
     return proc
+
+
+def run_worker(worker, nproc: int, *args, port_base: int = 34000, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --nproc_per_node nproc worker *args`` from the repository root (one
+    torch thread per rank, the repository on PYTHONPATH), through :func:`run_torchrun`."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(port_base + os.getpid() % 1000), str(worker), *map(str, args)]
+    return run_torchrun(cmd, env=env, cwd=root, timeout=timeout)

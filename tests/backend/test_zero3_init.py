@@ -3,22 +3,16 @@ Inside ``strategy.model_init()`` transformers builds it in ``deepspeed.zero.Init
 half the parameters from the start, and the prepared weights are the checkpoint's, bit for bit."""
 
 import json
-import os
-import sys
 from pathlib import Path
 
-from tests.torchrun import run_torchrun
+from tests.torchrun import run_worker
 
 WORKER = Path(__file__).with_name("zero3_init_worker.py")
-ROOT = Path(__file__).parents[2]
 
 
 def test_zero3_loads_partitioned_and_exactly(tiny_model_dir, tmp_path):
     out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(34300 + os.getpid() % 1000), str(WORKER), str(tiny_model_dir), str(out)]
-    proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)
+    proc = run_worker(WORKER, 2, tiny_model_dir, out, port_base=34300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r0, r1 = json.loads(out.read_text())
     for r in (r0, r1):

@@ -5,22 +5,16 @@ ranks. Checked on CPU with 2 ZeRO-3 ranks (gloo): the stream, its buckets and it
 across ranks and with the merged full state dict."""
 
 import json
-import os
-import sys
 from pathlib import Path
 
-from tests.torchrun import run_torchrun
+from tests.torchrun import run_worker
 
 WORKER = Path(__file__).with_name("lora_stream_worker.py")
-ROOT = Path(__file__).parents[2]
 
 
 def test_every_rank_streams_the_same_merged_lora_weights(tiny_model_dir, tmp_path):
     out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(34100 + os.getpid() % 1000), str(WORKER), str(tiny_model_dir), str(out)]
-    proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)
+    proc = run_worker(WORKER, 2, tiny_model_dir, out, port_base=34100)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     r0, r1 = res["ranks"]

@@ -21,21 +21,27 @@ def test_buckets_by_hand():
     assert all(torch.equal(t, b) and t.dtype == b.dtype for t, (_, b) in zip(tensors, back))
 
 
+def _join(world: int, **kwargs) -> dict:
+    """``world`` members of a new sync group on loopback, each joined from its own thread: {rank: SyncGroup}."""
+    port = free_port()
+    groups: dict = {}
+    joins = [threading.Thread(target=lambda r=r: groups.setdefault(r, SyncGroup("127.0.0.1", port, r, world, **kwargs)))
+             for r in range(world)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(timeout=60)
+    assert sorted(groups) == list(range(world))
+    return groups
+
+
 def test_group_broadcast_to_two_receivers_in_few_collectives():
     """Rank 0 (the actor's) sends once; both receivers (two engines) get every tensor bit-exact."""
     g = torch.Generator().manual_seed(0)
     state = {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(6)}
     state["norm.weight"] = torch.randn(64, generator=g).to(torch.bfloat16)  # odd-sized, other dtype
     state["embed"] = torch.randn(1000, 64, generator=g)  # larger than a bucket
-    port = free_port()
-    groups: dict = {}
-    joins = [threading.Thread(target=lambda r=r: groups.setdefault(r, SyncGroup("127.0.0.1", port, r, 3)))
-             for r in range(3)]
-    for t in joins:
-        t.start()
-    for t in joins:
-        t.join(timeout=60)
-    assert sorted(groups) == [0, 1, 2]
+    groups = _join(3)
     out: dict = {1: {}, 2: {}}
     recv = [threading.Thread(target=lambda r=r: out[r].update(groups[r].receive())) for r in (1, 2)]
     for t in recv:
@@ -86,28 +92,13 @@ def test_a_member_that_never_answers_ends_the_sync_at_its_deadline():
     from rlhforge.backend.collective import SyncTimeout, watchdog_timeout_s
 
     assert watchdog_timeout_s(2.0) > 2.0  # the group's own timeout comes after the waits' deadline
-    port = free_port()
-    groups = {}
-    joins = [threading.Thread(target=lambda r=r: groups.setdefault(r, SyncGroup("127.0.0.1", port, r, 2,
-                                                                                timeout_s=2.0))) for r in (0, 1)]
-    for t in joins:
-        t.start()
-    for t in joins:
-        t.join(timeout=60)
-    assert set(groups) == {0, 1}
+    groups = _join(2, timeout_s=2.0)
     t0 = time.monotonic()
     with pytest.raises(SyncTimeout, match="no progress within 2 s"):
         groups[0].send({"w": torch.ones(4)}, 1 << 20)  # member 1 never receives (a dead engine)
     assert time.monotonic() - t0 < 20  # the deadline, not 30 minutes (NCCL's watchdog would get 34 s)
     # the next sync opens a new group and completes
-    port = free_port()
-    fresh, out = {}, {}
-    joins = [threading.Thread(target=lambda r=r: fresh.setdefault(r, SyncGroup("127.0.0.1", port, r, 2,
-                                                                               timeout_s=30.0))) for r in (0, 1)]
-    for t in joins:
-        t.start()
-    for t in joins:
-        t.join(timeout=60)
+    fresh, out = _join(2, timeout_s=30.0), {}
     recv = threading.Thread(target=lambda: out.update(fresh[1].receive()))
     recv.start()
     fresh[0].send({"w": torch.arange(4.0)}, 1 << 20)
