@@ -46,3 +46,37 @@ def test_ray_driver_never_takes_a_gpu_outside_rays_accounting(tmp_path, tiny_mod
                                 "--train.workers", "ray"))
     with pytest.raises(ConfigError, match="outside Ray's GPU accounting"):
         cli.build_trainer(cfg)
+
+
+def test_every_model_group_releases_cached_memory_before_the_engines_wake(tmp_path):
+    """Issue 30, bug 3: with vLLM's sleep mode a waking engine sizes its KV cache from the GPU's free memory,
+    so every model group first hands its cached blocks back (the call order is what is checked here: on
+    CPU there is no cache to release and vLLM has no sleep mode)."""
+    from rlhforge.trainers.rl import RLTrainer
+
+    calls = []
+
+    class Group:  # records what the trainer asks of a worker group, in order
+        def __init__(self, name):
+            self.name = name
+
+        def call(self, method, *args):
+            calls.append((self.name, method))
+            return [0]
+
+    class Engine:
+        def wake_up(self):
+            calls.append(("engine", "wake_up"))
+
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.actor, trainer.critic, trainer.ref, trainer.reward_group = (Group("actor"), Group("critic"),
+                                                                        Group("ref"), None)
+    trainer.engine = Engine()
+    for sleep, expected in ((True, [("actor", "release_cached_memory"), ("critic", "release_cached_memory"),
+                                    ("ref", "release_cached_memory"), ("engine", "wake_up")]),
+                            (False, [("engine", "wake_up")])):
+        trainer.cfg = parse_rl_args(_cfg(tmp_path, *(["--vllm.enable_sleep", "--vllm.num_engines", "1"]
+                                                     if sleep else [])), validate=False)
+        calls.clear()
+        trainer._wake_engine()
+        assert calls == expected
