@@ -97,7 +97,7 @@ def check_vllm_api(version: str, signatures: Mapping[str, Any], *, allow_other_v
         if got is None:
             raise RuntimeError(f"vLLM {version}: {name} does not exist; rlhforge needs it (supported: {supported})")
         names, var_kw = got
-        missing = [p for p in needed if p not in names and not (var_kw and name in ("EngineArgs",))]
+        missing = [p for p in needed if p not in names and not var_kw]  # **kwargs takes any keyword
         if missing:
             raise RuntimeError(f"vLLM {version}: {name} has no parameter {missing[0]!r} (rlhforge passes "
                                f"{', '.join(needed)}); supported: {supported}")
