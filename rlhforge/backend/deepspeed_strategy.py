@@ -149,8 +149,12 @@ class DeepSpeedStrategy:
         ZeRO-3 transformers then builds it inside ``deepspeed.zero.Init`` (a live ``HfDeepSpeedConfig``
         tells it to): each rank holds only its partition from the start, instead of every rank loading the
         whole fp32 model before ``prepare`` shards it. The config object is dropped on exit, so later
-        ``from_pretrained`` calls in this process (an engine's copy) load whole models again."""
-        if self.ds_cfg.zero_stage != 3 or self.tp_size > 1:
+        ``from_pretrained`` calls in this process (an engine's copy) load whole models again.
+
+        fp32 training only: in bf16/fp16 ``zero.Init`` also rounds the buffers a model computes at
+        construction (rotary ``inv_freq``: 0.56234 -> 0.5625 in bf16), which changes every position's
+        encoding (the actor's log-probs then differ from the reference's at step 1); such runs load whole."""
+        if self.ds_cfg.zero_stage != 3 or self.tp_size > 1 or self.dtype != torch.float32:
             yield
             return
         from transformers.integrations import HfDeepSpeedConfig
