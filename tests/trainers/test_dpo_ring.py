@@ -70,9 +70,10 @@ def test_dpo_ring_attention_two_ranks_match_one(tiny_model_dir, tmp_path):
     w1, w2 = load_file(single / "model.safetensors"), load_file(ring / "model.safetensors")
     assert w1.keys() == w2.keys()
     for name in w1:  # Adam moves each weight by ~lr = 1e-3 per step; float noise in a near-zero gradient
-        # can move a rare element by a fraction of that, the rest agree far below it
+        # can move a rare element by a fraction of that (1.07e-4 once, on main as well, with torch 2.13 and
+        # transformers 5.19: Adam's step of a near-zero gradient depends on its sign), the rest agree far below it
         diff = (w2[name] - w1[name]).abs()
-        assert diff.max() < 1e-4 and diff.mean() < 1e-6, (name, diff.max().item(), diff.mean().item())
+        assert diff.max() < 2e-4 and diff.mean() < 1e-6, (name, diff.max().item(), diff.mean().item())
     assert "rlhforge_ring" not in (ring / "config.json").read_text()
 
 
