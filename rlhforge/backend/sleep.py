@@ -42,13 +42,13 @@ def deepspeed_sleep(engine, zero_stage: int, to_host: bool, pin_memory: bool = T
     returns what was asked to move. ZeRO-3's ``offload_states`` moves the optimizer states and master
     weights of DeepSpeed's FusedAdam only (it asserts so); with another optimizer (rlhforge's torch AdamW,
     Muon) DeepSpeed moves the gradient buffer and the optimizer's own state tensors are moved here (the
-    fp32 master weights, a quarter of the states, stay on the device)."""
+    fp32 master weights, a third of Adam's states, stay on the device)."""
     if zero_stage == 0:
         raise ValueError("--ds.enable_sleep under DeepSpeed needs --ds.zero_stage 1-3 (its offload_states has no "
                          "ZeRO-0 optimizer); use --ds.strategy torch for an unsharded actor")
     inner = getattr(engine.optimizer, "optimizer", None)  # the torch optimizer ZeRO wraps
     own_states = zero_stage == 3 and type(inner).__name__ != "FusedAdam"
-    device = torch.device(getattr(engine, "device", "cpu"))
+    device = torch.device(engine.device)  # the engine's own (DeepSpeedEngine sets it at start-up)
     if not to_host:
         engine.reload_states()
         if own_states:
@@ -85,9 +85,7 @@ def _is_deepspeed(strategy) -> bool:
 
 
 def _move(strategy, to_host: bool) -> dict:
-    if _is_deepspeed(strategy) and strategy.ds_cfg.zero_stage == 0:
-        deepspeed_sleep(strategy.engine, 0, to_host)  # refused with the reason, on any device
-    if strategy.device.type == "cpu":
+    if strategy.device.type == "cpu":  # (DeepSpeed ZeRO-0 is refused at start-up: config/rl_rules.py)
         return {"moved_bytes": 0}
     if _is_deepspeed(strategy):
         if getattr(strategy.ds_cfg, "adam_offload", False):

@@ -192,8 +192,9 @@ class VllmConfig:
     """Engine actors: seconds one generate call may take before the engine counts as hung (restarted
     as if it had died). rlhforge-specific."""
     sync_timeout_s: float = 300.0
-    """Engine actors: the deadline of every weight-sync collective (the sync group's NCCL/gloo timeout, on
-    actor rank 0 and in every engine) and of the driver's wait on each engine RPC of a sync. An engine
+    """Engine actors: the deadline of every weight-sync collective (each broadcast's wait, on actor rank 0
+    and in every engine; an NCCL group's watchdog gets 2x + 30 s, so the wait ends first and the group is
+    aborted) and of the driver's wait on each engine RPC of a sync. An engine
     that dies or hangs during a sync is restarted (as in ``request_timeout_s``) and the group rebuilt at
     the next sync; actor rank 0 is back within this time. Large models need more than a sync takes.
     rlhforge-specific (OpenRLHF: NCCL's 30-minute default)."""

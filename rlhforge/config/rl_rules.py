@@ -409,6 +409,9 @@ def _validate_tensor_parallel(cfg) -> None:
 def _validate_distributed(cfg) -> None:
     t = cfg.train
     validate_fp16(cfg.ds, rl_strategy(cfg))
+    if cfg.ds.enable_sleep and rl_strategy(cfg) == "deepspeed" and cfg.ds.zero_stage == 0:
+        raise ConfigError("--ds.enable_sleep under DeepSpeed needs --ds.zero_stage 1-3 (DeepSpeed's offload_states "
+                          "has no ZeRO-0 optimizer); use --ds.zero_stage 1-3, or --ds.strategy torch")
     if t.async_enable and t.colocate_all:
         raise ConfigError("--train.async_enable with --train.colocate_all: async training generates while the "
                           "actor trains, and colocated models and engines take turns on the same devices (as in "

@@ -22,8 +22,8 @@ Each engine is one Ray actor (:class:`EngineHost`) that owns one vLLM engine on 
   RPC has one deadline, ``--vllm.sync_timeout_s``: an engine that dies or hangs during a sync is
   restarted the same way, every other engine reloads the current weights through the object store,
   and the sync group is rebuilt at the next sync (actor rank 0's side of the broken collective
-  returns by the group's own timeout, the same value). Restarts count in
-  ``rollout/engine_restarts``. With no engine left the run stops (WorkerError, exit 4) naming each
+  returns by the same deadline: every wait of a sync broadcast has it, backend.collective.SyncGroup).
+  Restarts count in ``rollout/engine_restarts``. With no engine left the run stops (WorkerError, exit 4) naming each
   engine and its cause.
 """
 
@@ -328,7 +328,7 @@ class EngineActors:
         """Results of engine calls (and, with ``actor=(group, refs)``, of the actor ranks' side of the same
         collective), within ``sync_timeout_s``. Without ``recover`` the first failure is raised naming its
         side. With it (a sync), an engine that died or hung makes the wait go on until every side has
-        left the broken collective (by the group's timeout, the same deadline), then :class:`_SyncFault`
+        left the broken collective (each of its waits has the same deadline), then :class:`_SyncFault`
         lists the engines to restart and reload; anything else is raised."""
         import ray
 

@@ -80,3 +80,10 @@ def test_every_model_group_releases_cached_memory_before_the_engines_wake(tmp_pa
         calls.clear()
         trainer._wake_engine()
         assert calls == expected
+
+
+def test_deepspeed_sleep_with_zero_0_is_refused_at_start_up(tmp_path):
+    with pytest.raises(ConfigError, match="--ds.enable_sleep under DeepSpeed needs --ds.zero_stage 1-3"):
+        parse_rl_args(_cfg(tmp_path, "--ds.strategy", "deepspeed", "--ds.zero_stage", "0", "--ds.enable_sleep"))
+    cfg = parse_rl_args(_cfg(tmp_path, "--ds.strategy", "deepspeed", "--ds.zero_stage", "3", "--ds.enable_sleep"))
+    assert cfg.ds.enable_sleep and cfg.ds.zero_stage == 3
