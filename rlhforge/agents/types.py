@@ -48,6 +48,10 @@ class Trajectory:
     vision: Any = None
     """A vision-language actor: every image of ``token_ids`` in the order of its image tokens (the prompt's,
     then environment feedback's), as a ``data.images.VisionInput``; None: text only."""
+    policy_version: int = -1
+    """The weights version (RL steps synced into the engines) that generated it; -1: unknown. With
+    ``--train.partial_rollout_enable`` a response may end under a later one: ``policy_version_end``."""
+    policy_version_end: int = -1
 
     @property
     def truncated(self) -> bool:

@@ -14,13 +14,13 @@ On NCCL the buffers live on the member's CUDA device; on gloo in host memory.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import pickle
 import socket
 from typing import Iterator
 
 import torch
 
+from rlhforge.backend.fingerprint import Fingerprint, state_fingerprint  # noqa: F401 - re-exported
 from rlhforge.backend.strict_device import check, place
 
 __all__ = ["SyncTimeout", "open_group", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
@@ -186,32 +186,6 @@ def receive_state(pg, device: str = "cpu", deadline_s: float | None = None) -> I
             yield from unpack_bucket(buf, entries)
         if last:
             return
-
-
-class Fingerprint:
-    """Order-free sha256 of named tensors: a digest per tensor (name, dtype, shape, bytes), then one over
-    the sorted digests. Tensors can be added as they stream in (nothing is kept but the digests)."""
-
-    def __init__(self):
-        self.parts: dict[str, str] = {}
-
-    def add(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().to("cpu").contiguous()
-        h = hashlib.sha256(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        self.parts[name] = h.hexdigest()
-        return t
-
-    def hexdigest(self) -> str:
-        return hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(self.parts.items())).encode()).hexdigest()
-
-
-def state_fingerprint(named) -> str:
-    """:class:`Fingerprint` of a state dict (or of (name, tensor) pairs): equal weights, equal print."""
-    fp = Fingerprint()
-    for name, t in (named.items() if isinstance(named, dict) else named):
-        fp.add(name, t)
-    return fp.hexdigest()
 
 
 class SyncGroup:

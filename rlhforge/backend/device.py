@@ -59,11 +59,23 @@ def init_process_group(device: torch.device, force: bool = False) -> None:
 
     info = dist_info()
     if (info.world_size > 1 or force) and not dist.is_initialized():
-        dist.init_process_group(backend=process_group_backend(device))
+        dist.init_process_group(backend=process_group_backend(device), **collective_timeout_kwargs())
         destroy_group_at_exit()
     from rlhforge.backend.strict_device import install
 
     install()  # RLHFORGE_STRICT_DEVICE=1 (the tests): rlhforge's collectives checked for the group's device
+
+
+def collective_timeout_kwargs() -> dict:
+    """``{"timeout": timedelta}`` from ``--deadline.collective_s`` (set by the launcher in every rank's
+    environment: rlhforge.config.deadline.COLLECTIVE_TIMEOUT_ENV), or {} for torch's default. Passed to
+    ``init_process_group`` and to DeepSpeed's ``init_distributed``: gloo's timeout, NCCL's watchdog."""
+    import datetime
+
+    from rlhforge.config.deadline import collective_timeout_s
+
+    seconds = collective_timeout_s()
+    return {} if seconds is None else {"timeout": datetime.timedelta(seconds=seconds)}
 
 
 @functools.cache

@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
     from rlhforge.agents.episode import AgentError
     from rlhforge.rewards.base import RewardError
     from rlhforge.rewards.client import RewardServerError
+    from rlhforge.backend.fingerprint import WeightSyncMismatch
     from rlhforge.distributed.groups import WorkerError
 
     with user_errors(prog):
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
         except AgentError as err:
             print(f"{prog}: error: agent failed: {err}", file=sys.stderr)
             raise SystemExit(3) from None
-        except WorkerError as err:
+        except (WorkerError, WeightSyncMismatch) as err:
             print(f"{prog}: error: {err}", file=sys.stderr)
             raise SystemExit(4) from None
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhforge.config.deadline import DeadlineConfig
 from rlhforge.config.components import (
     AdamConfig,
     CkptConfig,
@@ -440,6 +441,7 @@ class RLConfig:
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     ckpt: RLCkptConfig = field(default_factory=RLCkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    deadline: DeadlineConfig = field(default_factory=DeadlineConfig)
     local_rank: int = -1
     """Set by launchers; the rank is read from the environment."""
     use_ms: bool = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+from rlhforge.config.deadline import DEADLINE_ALIASES
 from rlhforge.config.parsing import LEGACY_ALIASES, ConfigError, rewrite_aliases
 
 __all__ = ["RL_LEGACY_ALIASES", "RL_LEGACY_SWITCHES", "IS_CORRECTION_TYPES", "rewrite_rl_argv"]
@@ -153,4 +154,4 @@ def rewrite_rl_argv(argv: list[str], warn=lambda msg: print(msg, file=sys.stderr
             out.extend(RL_LEGACY_SWITCHES[token])
         else:
             out.append(token)
-    return rewrite_aliases(out, current={}, legacy=RL_LEGACY_ALIASES, warn=warn)
+    return rewrite_aliases(out, current=DEADLINE_ALIASES, legacy=RL_LEGACY_ALIASES, warn=warn)

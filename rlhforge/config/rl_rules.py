@@ -10,6 +10,7 @@ flag and holds the table.
 
 from __future__ import annotations
 
+from rlhforge.config.deadline import check_deadlines
 from rlhforge.config.parsing import ConfigError
 from rlhforge.config.validation import (
     check_gpu_kernels,
@@ -171,6 +172,7 @@ def validate_rl(cfg) -> None:
     validate_logging_steps(cfg)
     validate_fault_limits(cfg.train)
     check_is_correction(cfg.algo.advantage)
+    check_deadlines(cfg.deadline)
     _validate_remote_reward(cfg)
     if cfg.ds.load_in_4bit:
         check_load_in_4bit(cfg.train.device)

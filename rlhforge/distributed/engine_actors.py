@@ -75,6 +75,9 @@ class EngineHost:
     def fingerprint(self) -> str | None:
         return self.engine.fingerprint()
 
+    def sync_report(self) -> list:
+        return self.engine.sync_report()
+
     def load_ipc(self, entries: list, handles_by_gpu: dict, fingerprint: bool = False, last: bool = False) -> int:
         return self.engine.load_ipc(entries, handles_by_gpu, fingerprint, last)
 
@@ -105,18 +108,20 @@ class EngineActors:
 
     def __init__(self, spawn: Callable[[int], Any], num_engines: int, *, tp: int = 1, backend: str = "gloo",
                  bucket_bytes: int = 128 << 20, sync_with_ray: bool = False, max_restarts: int = 1,
-                 timeout_s: float = 600.0, sync_timeout_s: float = 300.0, ipc: bool = False):
+                 timeout_s: float = 600.0, sync_timeout_s: float = 300.0, ipc: bool = False,
+                 start_timeout_s: float | None = None):
         self.spawn, self.tp, self.backend, self.bucket_bytes = spawn, tp, backend, bucket_bytes
         self.sync_with_ray, self.max_restarts, self.timeout_s = sync_with_ray, max_restarts, timeout_s
         self.sync_timeout_s = sync_timeout_s  # --vllm.sync_timeout_s: every sync collective and engine RPC
-        self.start_timeout_s = max(timeout_s, sync_timeout_s)  # an engine's start-up (vLLM loads the model)
+        # an engine's start-up (vLLM loads the model): --deadline.startup_s
+        self.start_timeout_s = start_timeout_s or max(timeout_s, sync_timeout_s)
         self.ipc = ipc  # GPU engines on the actor's GPUs: CUDA IPC, each worker takes its own GPU's handle
         self._ipc_members: tuple | None = None
         self.engines = [_Engine(i, spawn(i), tp) for i in range(num_engines)]
         self._group_members: tuple | None = None  # (handles...) of the current sync group
         self._source = None  # the actor group of the last sync (restarts reload from it)
         self.synced_versions = 0
-        self.fingerprint_syncs = False  # tests: every sync also returns the engines' fingerprints
+        self.fingerprint_syncs = True  # every sync returns the engines' fingerprints (always on)
         self.last_fingerprints: list[str | None] = []
         self.restarts_total = 0
         self.ready()
@@ -223,6 +228,19 @@ class EngineActors:
         except _SyncFault as fault:
             self._recover(actor, fault.failed)
         self.synced_versions += 1
+        self.verify(actor)
+
+    def verify(self, actor) -> None:
+        """Every live engine reports what its last sync loaded; it must be what actor rank 0 sent, and an
+        engine that received new weights must have changed its parameters (rlhforge.backend.fingerprint;
+        always on: a mismatch stops the run with WeightSyncMismatch naming the engine)."""
+        from rlhforge.backend.fingerprint import check_sync_reports
+
+        expected = actor.wait([actor.hosts[0].run.remote("sent_fingerprint", (), {})], "sent_fingerprint")[0]
+        live = [e for e in self.engines if e.alive]
+        reports = self._wait([(e, e.handle.sync_report.remote()) for e in live], "the engines' sync reports")
+        check_sync_reports(expected, [(f"vLLM engine {e.index}", r) for e, r in zip(live, reports)],
+                           self.synced_versions)
 
     def _sync(self, actor, live: list[_Engine], fp: bool) -> list:
         actor_side = None  # the actor ranks' calls of the same transfer, waited on with the engines'
@@ -435,4 +453,4 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
     return EngineActors(spawn, v.num_engines, tp=v.tensor_parallel_size, backend=backend,
                         bucket_bytes=v.sync_bucket_mb << 20, sync_with_ray=v.sync_with_ray,
                         max_restarts=v.max_restarts, timeout_s=v.request_timeout_s,
-                        sync_timeout_s=v.sync_timeout_s, ipc=colocated)
+                        sync_timeout_s=v.sync_timeout_s, ipc=colocated, start_timeout_s=cfg.deadline.startup_s)

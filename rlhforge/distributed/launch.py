@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from rlhforge.config.deadline import COLLECTIVE_TIMEOUT_ENV
+
 __all__ = ["init_ray", "ray_device", "build_ray_groups", "wait_for_resources", "close_groups"]
 
 #: Set in every Ray worker (the driver's own value wins when it has one, as in OpenRLHF).
@@ -63,7 +65,7 @@ def build_ray_groups(cfg, tokenizer, plan, start_engines=None):
     device = ray_device(cfg.train.device)
     placement = plan_from_config(cfg, device)  # the plan --train.plan_only prints; engines are Ray actors too
     wait_for_resources(placement)
-    pgs = create_placement_groups(placement)
+    pgs = create_placement_groups(placement, timeout_s=cfg.deadline.startup_s)
     engine = None
     if start_engines is not None:
         engine = start_engines(placement, pgs)  # ready: every engine has started (EngineActors.ready)
@@ -89,12 +91,14 @@ def _start_groups(cfg, tokenizer, plan, placement, pgs, device):
     from rlhforge.distributed.workers import ActorWorker, CriticWorker, RefWorker
 
     sizes = {name: g.num_workers for name, g in placement.groups.items()}
-    env = {"RLHFORGE_RAY_WORKER": "1", **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}
+    env = {"RLHFORGE_RAY_WORKER": "1", COLLECTIVE_TIMEOUT_ENV: str(cfg.deadline.collective_s),
+           **{k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()}}
 
     def group(name, factory, args, process_group=True):
         g = placement.groups[name]
         return RayWorkerGroup(name, factory, args, num_workers=g.num_workers, pg=pgs[g.pg], share=g.share,
-                              device=device, process_group=process_group, env=env, wait=False)
+                              device=device, process_group=process_group, env=env, wait=False,
+                              call_timeout_s=cfg.deadline.worker_call_s, startup_s=cfg.deadline.startup_s)
 
     actor = group("actor", ActorWorker, (cfg, tokenizer, plan.total_updates, plan.grad_accum_steps))
     # the actor's rings / AutoTP groups share shards (the ref and critic run without either)

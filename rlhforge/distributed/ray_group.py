@@ -82,13 +82,16 @@ class RayWorkerGroup:
 
     def __init__(self, name: str, factory: Callable, args: tuple = (), kwargs: dict | None = None, *,
                  num_workers: int, pg, share: float, device: str, process_group: bool = True,
-                 env: dict[str, str] | None = None, wait: bool = True):
+                 env: dict[str, str] | None = None, wait: bool = True, call_timeout_s: float | None = None,
+                 startup_s: float | None = None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         import threading
 
         self.name, self.world_size = name, num_workers
+        self.call_timeout_s = call_timeout_s  # --deadline.worker_call_s: the wait on any call (None: none)
+        self.startup_s = startup_s  # --deadline.startup_s: building the workers (loading the models)
         # ranks per model replica: consecutive ranks of a ring (--ds.ring_attn_size) or an AutoTP group
         # (--ds.tensor_parallel_size) take the same shard; ring x tp, set by the launcher
         self.replica_size = 1
@@ -116,15 +119,27 @@ class RayWorkerGroup:
         models side by side)."""
         if self._building:
             refs, self._building = self._building, []
-            self._get(refs, f"building {self.name}")
+            self._get(refs, f"building {self.name}", self.startup_s, "--deadline.startup_s")
         return self
 
     # -- calls ------------------------------------------------------------------------------------
-    def _get(self, refs: Sequence, what: str) -> list[Any]:
+    def _get(self, refs: Sequence, what: str, timeout_s: float | None = -1.0,
+             flag: str = "--deadline.worker_call_s") -> list[Any]:
         """Results of every rank; a dead actor is reported before the errors it caused on its peers
-        (a rank whose collective lost its partner fails with a less useful message)."""
+        (a rank whose collective lost its partner fails with a less useful message). Ranks with no answer
+        within ``timeout_s`` (default: ``call_timeout_s``) are named in a WorkerError, after any rank
+        that failed meanwhile (whose failure usually explains the others' wait)."""
         import ray
 
+        timeout_s = self.call_timeout_s if timeout_s == -1.0 else timeout_s
+        if timeout_s is not None and refs:
+            _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+            if pending:
+                hung = [rank for rank, ref in enumerate(refs) if ref in pending]
+                self._get([r for r in refs if r not in pending], what, None)  # a failed rank is named first
+                raise WorkerError(f"{self.name} worker rank(s) {', '.join(map(str, hung))} gave no answer within "
+                                  f"{flag} {timeout_s:g} s during {what} (hung, or slower than the deadline); "
+                                  "checkpoints already written are intact")
         out, died, failed = [], [], []
         for rank, ref in enumerate(refs):
             try:

@@ -244,11 +244,14 @@ class ActorWorker(TrainableWorker):
         """The weights generation engines load: the full state dict (all ranks take part, rank 0 gets it),
         with LoRA adapters merged into the base weights (base-model names). QLoRA stays unmerged (its
         in-process engine is a copy of the PEFT model)."""
+        from rlhforge.backend.fingerprint import state_fingerprint
+
         state = self.strategy.full_state_dict()
         if state is not None and self.cfg.ds.lora.rank > 0 and not self.cfg.ds.load_in_4bit:
             from rlhforge.models.export import merged_lora_state
 
             state = merged_lora_state(state, self.strategy.module)
+        self._sent_fingerprint = state_fingerprint(state) if state is not None else None
         return state
 
     # -- weight sync over a dedicated group (Ray workers; rlhforge.distributed.weight_sync) --------
@@ -266,11 +269,30 @@ class ActorWorker(TrainableWorker):
         """(name, tensor) pairs the engines load, the same sequence on every rank (the CUDA-IPC sync has
         every rank send each bucket; the group sync sends rank 0's): streamed one gathered parameter at a
         time, with LoRA adapters merged into their base weights as they pass."""
+        stream = self.strategy.iter_full_weights()
         if self.cfg.ds.lora.rank > 0 and not self.cfg.ds.load_in_4bit:
             from rlhforge.models.export import merged_lora_stream
 
-            return merged_lora_stream(self.strategy.iter_full_weights(), self.strategy.module)
-        return self.strategy.iter_full_weights()
+            stream = merged_lora_stream(stream, self.strategy.module)
+        return self._fingerprinted(stream)
+
+    def _fingerprinted(self, stream):
+        """Rank 0: the fingerprint of everything streamed (rlhforge.backend.fingerprint), kept for
+        :meth:`sent_fingerprint` once the stream was read to its end (a broken sync leaves None)."""
+        from rlhforge.backend.fingerprint import Fingerprint
+
+        fp = Fingerprint() if self.strategy.is_rank0 else None
+        self._sent_fingerprint = None
+        for name, t in stream:
+            if fp is not None:
+                fp.add(name, t)
+            yield name, t
+        if fp is not None:
+            self._sent_fingerprint = fp.hexdigest()
+
+    def sent_fingerprint(self) -> str | None:
+        """Rank 0: the fingerprint of the weights the last sync sent (None elsewhere, or before any)."""
+        return getattr(self, "_sent_fingerprint", None)
 
     def send_weights(self) -> int:
         """All ranks gather; rank 0 streams to the group. Returns the number of buckets (rank 0)."""
@@ -298,13 +320,11 @@ class ActorWorker(TrainableWorker):
                           fingerprint=fingerprint, timeout_s=timeout_s)
 
     def weights_fingerprint(self) -> str | None:
-        """sha256 of the weights the engines load, as sent (all ranks take part; rank 0 returns it)."""
-        from rlhforge.backend.collective import Fingerprint
-
-        fp = Fingerprint()
-        for name, t in self._engine_weights():
-            fp.add(name, t)
-        return fp.hexdigest() if self.strategy.is_rank0 else None
+        """Fingerprint of the weights the engines load, as a sync would send them (all ranks take part;
+        rank 0 returns it)."""
+        for _ in self._engine_weights():
+            pass
+        return self.sent_fingerprint()
 
 
 class RefWorker:

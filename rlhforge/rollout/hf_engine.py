@@ -138,13 +138,25 @@ class HFEngine:
         return self.generate_sync(prompts, params, vision)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> None:
+        from rlhforge.backend.fingerprint import SyncReport, params_checksum, state_fingerprint
+
         state = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         with self._lock:
+            before = params_checksum(self.model)
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             self.weight_updates += 1
+            previous = self._report["fingerprint"] if self._report else None
+            self._report = SyncReport(fingerprint=state_fingerprint(state), tensors=len(state), previous=previous,
+                                      params_changed=params_checksum(self.model) != before)
         missing = [k for k in missing if k in dict(self.model.named_parameters())]
         if missing or unexpected:
             raise ValueError(f"weight sync: missing {missing[:5]}, unexpected {unexpected[:5]} (of {len(state)} tensors)")
+
+    _report: dict | None = None
+
+    def sync_reports(self) -> list[tuple[str, list]]:
+        """The last sync's report (rlhforge.backend.fingerprint.SyncReport), as the other engines give it."""
+        return [("HF engine", [dict(self._report) if self._report else None])]
 
     def sleep(self) -> None:  # nothing to release: the copy lives in host memory on CPU
         pass

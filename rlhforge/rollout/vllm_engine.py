@@ -304,9 +304,18 @@ class VLLMEngine:
         return n
 
     def fingerprint(self) -> str | None:
-        """Fingerprint of the weights the last sync loaded (None: never synced, or synced without one)."""
+        """Fingerprint of the weights the last sync loaded (None: never synced)."""
         with self._lock, self._engine_threads():
             return self.llm.collective_rpc("rlhforge_fingerprint")[0]
+
+    def sync_reports(self) -> list[tuple[str, list]]:
+        return [("vLLM engine", self.sync_report())]
+
+    def sync_report(self) -> list[dict | None]:
+        """Every worker's report of the last sync (rlhforge.backend.fingerprint.SyncReport; one per
+        tensor-parallel worker: each received the whole broadcast)."""
+        with self._lock, self._engine_threads():
+            return list(self.llm.collective_rpc("rlhforge_sync_report"))
 
     def _wake_weights(self) -> None:
         if self._asleep and not self._weights_awake:  # GPU sleep mode: bring the weights back first
@@ -456,6 +465,10 @@ class EngineRouter:
         pairs = _pairs(named_tensors)
         for engine in self.engines:
             engine.update_weights(pairs)
+
+    def sync_reports(self) -> list[tuple[str, list]]:
+        """``(engine name, its workers' reports)`` of the last sync, for every engine."""
+        return [(f"{name} {i}", reps) for i, e in enumerate(self.engines) for name, reps in e.sync_reports()]
 
     def sleep(self) -> None:
         for engine in self.engines:

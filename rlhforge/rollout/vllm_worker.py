@@ -51,6 +51,29 @@ def _repack_cpu_experts(model) -> int:
 class WeightSyncExtension:
     """Methods on vLLM's worker (``self`` is the worker; ``self.model_runner`` exists)."""
 
+    # -- the sync report (always on: rlhforge.backend.fingerprint) -------------------------------
+    def _rlhforge_begin_sync(self):
+        """Before a load: the model's parameter print and a fresh fingerprint of what will arrive."""
+        from rlhforge.backend.fingerprint import Fingerprint, params_checksum
+
+        self._rlhforge_params_before = params_checksum(self.model_runner.model)
+        return Fingerprint()
+
+    def _rlhforge_end_sync(self, fp) -> None:
+        """After a load: what arrived, how many tensors, and whether the parameters changed."""
+        from rlhforge.backend.fingerprint import SyncReport, params_checksum
+
+        previous = getattr(self, "_rlhforge_fingerprint", None)
+        self._rlhforge_fingerprint = fp.hexdigest()
+        self._rlhforge_report = SyncReport(
+            fingerprint=self._rlhforge_fingerprint, tensors=len(fp), previous=previous,
+            params_changed=params_checksum(self.model_runner.model) != self._rlhforge_params_before)
+
+    def rlhforge_sync_report(self) -> dict | None:
+        """This worker's report of the last sync (None: never synced)."""
+        rep = getattr(self, "_rlhforge_report", None)
+        return dict(rep) if rep is not None else None
+
     def _rlhforge_reload(self, named: Iterator) -> None:
         """``reload_weights`` from the trainer's (name, tensor) pairs, renamed to the checkpoint layout
         vLLM loads (transformers 5.x fuses MoE experts that checkpoints store per expert:
@@ -74,22 +97,18 @@ class WeightSyncExtension:
         return skeleton
 
     # -- in-process path: tensors are passed as they are ------------------------------------------
-    def rlhforge_load_tensors(self, named: Iterable, fingerprint: bool = False) -> int:
-        """Reload from (name, tensor) pairs (in-process engines: no copy, no serialisation)."""
-        from rlhforge.backend.collective import Fingerprint
-
-        count, fp = [0], Fingerprint() if fingerprint else None
+    def rlhforge_load_tensors(self, named: Iterable, fingerprint: bool = True) -> int:
+        """Reload from (name, tensor) pairs (in-process engines: no copy, no serialisation). Every load
+        records its sync report (``fingerprint`` is kept for callers of the old signature)."""
+        fp = self._rlhforge_begin_sync()
 
         def it() -> Iterator:
             for name, tensor in named:
-                count[0] += 1
-                if fp is not None:
-                    fp.add(name, tensor)
-                yield name, tensor
+                yield name, fp.add(name, tensor)
 
         self._rlhforge_reload(it())
-        self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
-        return count[0]
+        self._rlhforge_end_sync(fp)
+        return len(fp)
 
     # -- RPC path: buckets of safetensors bytes, then one reload ----------------------------------
     def rlhforge_stage_bucket(self, blob: bytes) -> int:
@@ -106,17 +125,17 @@ class WeightSyncExtension:
 
         staged = getattr(self, "_rlhforge_staged", None) or []
         self._rlhforge_staged = []
-        count = [0]
+        fp = self._rlhforge_begin_sync()
 
         def it() -> Iterator:
             while staged:
                 tensors = load(staged.pop(0))  # decode one bucket at a time
                 for name, tensor in tensors.items():
-                    count[0] += 1
-                    yield name, tensor
+                    yield name, fp.add(name, tensor)
 
         self._rlhforge_reload(it())
-        return count[0]
+        self._rlhforge_end_sync(fp)
+        return len(fp)
 
     def rlhforge_clear_staged(self) -> None:
         self._rlhforge_staged = []
@@ -133,25 +152,20 @@ class WeightSyncExtension:
         self._rlhforge_group = SyncGroup(host, port, rank, world_size, backend, device, timeout_s)
         return rank
 
-    def rlhforge_receive_weights(self, fingerprint: bool = False) -> str | None:
-        """Receive one broadcast from rank 0 bucket by bucket and reload from it in one pass; with
-        ``fingerprint``, returns the fingerprint of what arrived (rlhforge.backend.collective.Fingerprint:
-        a sha256 over every byte, so only on request)."""
-        from rlhforge.backend.collective import Fingerprint
-
-        fp = Fingerprint() if fingerprint else None
+    def rlhforge_receive_weights(self, fingerprint: bool = True) -> str:
+        """Receive one broadcast from rank 0 bucket by bucket and reload from it in one pass; returns the
+        fingerprint of what arrived (always: rlhforge.backend.fingerprint, cheap integer checksums)."""
+        fp = self._rlhforge_begin_sync()
 
         def it() -> Iterator:
             for name, tensor in self._rlhforge_group.receive():
-                if fp is not None:
-                    fp.add(name, tensor)
-                yield name, tensor
+                yield name, fp.add(name, tensor)
 
         self._rlhforge_reload(it())
-        self._rlhforge_fingerprint = fp.hexdigest() if fp is not None else None
+        self._rlhforge_end_sync(fp)
         return self._rlhforge_fingerprint
 
-    def rlhforge_load_ipc(self, entries: list, handles_by_gpu: dict, fingerprint: bool = False) -> int:
+    def rlhforge_load_ipc(self, entries: list, handles_by_gpu: dict, fingerprint: bool = True) -> int:
         """CUDA IPC, one bucket (GPU; an engine sharing its GPUs with the actor's ranks): rebuild the
         bucket that the actor rank on this worker's GPU packed, found by the GPU's UUID
         (:func:`rlhforge.rollout.vllm_compat.handle_for_gpu`; no copy through host memory), and load its
@@ -163,11 +177,13 @@ class WeightSyncExtension:
         import torch
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        from rlhforge.backend.collective import Fingerprint, unpack_bucket
+        from rlhforge.backend.collective import unpack_bucket
         from rlhforge.rollout.vllm_compat import entries_from_wire, gpu_uuid, handle_for_gpu, ipc_handle_from_wire
 
         if not entries:  # the closing call of a sync whose last bucket was already sent
             return 0
+        if getattr(self, "_rlhforge_ipc_fp", None) is None:  # the first bucket of this sync
+            self._rlhforge_ipc_fp = self._rlhforge_begin_sync()
         device = torch.device(getattr(self, "device", None) or torch.device("cuda", torch.cuda.current_device()))
         rank = int(getattr(self, "rank", 0) or 0)
         wire = handle_for_gpu(handles_by_gpu, gpu_uuid(device), f"engine worker rank {rank} ({device})")
@@ -176,18 +192,16 @@ class WeightSyncExtension:
         pairs = unpack_bucket(buffer, entries_from_wire(entries))  # copies: the sender may free its buffer after
         from rlhforge.models.moe import checkpoint_names  # MoE: per-expert checkpoint names (not run: GPU only)
 
+        for name, t in pairs:
+            self._rlhforge_ipc_fp.add(name, t)
         self.model_runner.model.load_weights(weights=checkpoint_names(pairs, self._rlhforge_names_skeleton()))
-        if fingerprint:
-            fp = getattr(self, "_rlhforge_ipc_fp", None) or Fingerprint()
-            for name, t in pairs:
-                fp.add(name, t)
-            self._rlhforge_ipc_fp = fp
-            self._rlhforge_fingerprint = fp.hexdigest()
         return len(pairs)
 
     def rlhforge_ipc_done(self) -> None:
-        """End of an IPC sync (the fingerprint of the next one starts afresh)."""
-        self._rlhforge_ipc_fp = None
+        """End of an IPC sync: its report; the fingerprint of the next one starts afresh."""
+        fp, self._rlhforge_ipc_fp = getattr(self, "_rlhforge_ipc_fp", None), None
+        if fp is not None:
+            self._rlhforge_end_sync(fp)
 
     def rlhforge_fingerprint(self) -> str | None:
         """Fingerprint of the weights last loaded through a sync (None: still the folder's)."""

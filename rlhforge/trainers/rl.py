@@ -44,12 +44,13 @@ from rlhforge.algorithms import (
     overlong_penalty,
     stop_properly_penalty,
 )
+from rlhforge.backend.fingerprint import check_engine_sync
 from rlhforge.config.batching import RLBatchPlan
 from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.distributed.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
 from rlhforge.trainers.rl_ckpt import RLCheckpointing, RLState, rl_guard
-from rlhforge.trainers.rl_data import GroupBuffer, PromptStream, eval_metrics, gather_groups
+from rlhforge.trainers.rl_data import GroupBuffer, PromptStream, eval_metrics, gather_groups, version_lag
 from rlhforge.distributed.workers import PolicyLossSpec
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -97,6 +98,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         self.old_from_update = False  # this step's pi_old comes from the update's forward (make_experience)
         self._loops = threading.local()  # one asyncio loop per thread (the async generator has its own)
         self.engine_lock = threading.Lock()  # generation vs weight sync (async mode)
+        self.engine_version = 0  # the weights version the engines hold (stamped on every sample)
 
     # ------------------------------------------------------------------------------------ setup
     def _gamma(self) -> float:
@@ -210,6 +212,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         t0 = time.perf_counter()
         trajs, metrics = batch.trajs, dict(batch.metrics)
         self.state.prompt_position, self.state.buffered_positions = batch.stream_position, list(batch.carry)
+        metrics.update(version_lag(trajs, self.state.global_step))
         metrics.update({"async/staleness": float(self.state.global_step - batch.version_start),
                         "async/staleness_at_end": float(self.state.global_step - batch.version_end),
                         "async/weights_version": float(batch.version_start),
@@ -262,7 +265,10 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
 
         def generate(idx: list[int], positions: list[int]) -> list:
             reqs, params = self._requests(idx, positions, n, cfg.rollout.temperature, self.max_new_tokens, salt=0)
+            version = self.engine_version
             trajs = self._run(self.executor.execute_batch(reqs, params, self.engine))
+            for t in trajs:  # the weights version that generated each sample (docs/reliability.md)
+                t.policy_version, t.policy_version_end = version, self.engine_version
             groups = []
             for g in range(len(positions)):  # failed environments / registry filters drop their group
                 group, counts = drop_failed_groups(trajs[g * n : (g + 1) * n], n)
@@ -449,9 +455,11 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         state = None if sync_from else self.actor.gather_weights()
         with self._engine_guard():
             if sync_from:
-                sync_from(self.actor)
+                sync_from(self.actor)  # verifies every engine's fingerprint itself
             else:
                 self.engine.update_weights(state)
+                check_engine_sync(self.engine, self.actor.call("sent_fingerprint")[0], self.state.global_step)
+            self.engine_version = self.state.global_step
         rollouts = getattr(self, "rollouts", None)
         if rollouts is not None:
             rollouts.synced(self.state.global_step)

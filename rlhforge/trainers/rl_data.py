@@ -10,7 +10,7 @@ import torch
 
 from rlhforge.data.errors import DataError
 
-__all__ = ["Prompt", "load_prompts", "PromptStream", "GroupBuffer", "Gathered", "gather_groups"]
+__all__ = ["Prompt", "load_prompts", "PromptStream", "GroupBuffer", "Gathered", "gather_groups", "version_lag"]
 
 
 @dataclass(frozen=True)
@@ -246,3 +246,16 @@ def eval_metrics(trajs, n: int) -> dict[str, float]:
         for source, groups in sorted(by_source.items()):
             summarise(f"eval/{source}/", groups)
     return out
+
+
+def version_lag(trajs, version: int) -> dict[str, float]:
+    """How many weight versions behind the trainer's ``version`` the batch's samples were generated
+    (each trajectory's ``policy_version``; buffered oversampled groups and async batches lag); samples
+    with no recorded version (-1) are left out."""
+    lags = [version - t.policy_version for t in trajs if t.policy_version >= 0]
+    if not lags:
+        return {}
+    ends = [version - t.policy_version_end for t in trajs if t.policy_version_end >= 0]
+    return {"rollout/version_lag_mean": sum(lags) / len(lags), "rollout/version_lag_max": float(max(lags)),
+            "rollout/version_lag_end_min": float(min(ends)) if ends else float(min(lags)),
+            "rollout/policy_version_min": float(version - max(lags))}

@@ -45,10 +45,20 @@ class Sender:
         self._bucket_bytes = bucket_bytes
 
     def send_weights(self) -> int:
+        from rlhforge.backend.collective import state_fingerprint
+
+        self._sent = state_fingerprint(self.state)
         return self._sender.send(self.state, self._bucket_bytes)
 
     def engine_state_dict(self):
+        from rlhforge.backend.collective import state_fingerprint
+
+        self._sent = state_fingerprint(self.state)
         return self.state
+
+    def sent_fingerprint(self) -> str:
+        """What the last sync sent (the driver checks every engine's report against it)."""
+        return self._sent
 
 
 @pytest.fixture(scope="module")
