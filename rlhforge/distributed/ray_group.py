@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, Callable, Sequence
 
 from rlhforge.distributed.groups import WorkerError, balanced_shards, lengths_of, pad_shards, zero_weight_copy
@@ -224,7 +225,10 @@ class RayWorkerGroup:
         thread = threading.Thread(target=target, daemon=True)
         thread.start()
         pending = list(refs)
+        deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
         while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                self._get(refs, what, timeout_s=0.0)  # names the ranks with no answer (WorkerError)
             done, pending = ray.wait(pending, timeout=1.0)
             for ref in done:
                 try:
