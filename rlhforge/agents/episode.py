@@ -56,6 +56,7 @@ from rlhforge.agents.batching import BatchingEngine
 from rlhforge.agents.env_threads import EnvironmentStuckError, EnvThreadPool
 from rlhforge.agents.episode_images import FeedbackPiece, check_image_tokens, feedback_pieces
 from rlhforge.agents.single_turn import PromptRequest
+from rlhforge.agents.token_check import EngineTurn
 from rlhforge.agents.types import AgentError, Trajectory
 from rlhforge.rollout.engine import SamplingParams
 
@@ -84,13 +85,15 @@ class AgentSettings:
     """Longest prompt + response (``data.max_len``)."""
     prefix_mismatch: str = "error"
     """OpenAI server: what a request whose prompt does not extend the session does (error|new_segment)."""
+    check_tokens: bool = False
+    """Record every generation call (``Trajectory.engine_turns``) for the token checker."""
 
     @classmethod
     def from_config(cls, cfg) -> "AgentSettings":
         t = cfg.train
         return cls(step_timeout=t.agent_step_timeout, episode_timeout=t.agent_episode_timeout,
                    env_concurrency=t.agent_env_concurrency, fail_fast=t.agent_fail_fast, max_len=cfg.data.max_len,
-                   prefix_mismatch=t.agent_openai_prefix_mismatch,
+                   prefix_mismatch=t.agent_openai_prefix_mismatch, check_tokens=getattr(t, "check_tokens", False),
                    max_stuck_threads=getattr(t, "agent_max_stuck_threads", cls.max_stuck_threads))
 
 
@@ -145,6 +148,7 @@ class Episode:
         self.last_finish = "stop"
         self.done = False
         """Set by the executor when the environment ended the episode."""
+        self.engine_turns: list[EngineTurn] | None = [] if getattr(getattr(ctx, "settings", None), "check_tokens", False) else None
 
     def reset_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Replace the prompt (only before the first turn: e.g. ``reset`` rewrote the observation)."""
@@ -175,10 +179,13 @@ class Episode:
         sp = sampling or self.sampling
         sp = replace(sp, max_new_tokens=max(1, min(sp.max_new_tokens, left)),
                      seed=turn_seed(self.sampling.seed, self.turns))
+        seen = tuple(self.token_ids) if self.engine_turns is not None else ()
         out = await self.ctx.engine.generate_one(self.token_ids, sp, vision=self.vision)
         ids = list(out.token_ids)
         if len(ids) != len(out.logprobs):
             raise AgentError(f"engine returned {len(ids)} tokens but {len(out.logprobs)} log-probs")
+        if self.engine_turns is not None:
+            self.engine_turns.append(EngineTurn(seen, tuple(ids), tuple(float(x) for x in out.logprobs)))
         start = len(self.token_ids)
         self.token_ids.extend(ids)
         if ids:
@@ -226,6 +233,7 @@ class Episode:
             rollout_logprobs=list(self.logprobs), finish_reason="length" if self.truncated else "stop",
             label=r.label, datasource=r.datasource, prompt_index=r.prompt_index, sample_index=r.sample_index,
             extra=self._extra(), routed_experts=self.routing, vision=self.vision,
+            engine_turns=None if self.engine_turns is None else list(self.engine_turns),
         )
 
     def _extra(self) -> dict[str, float]:

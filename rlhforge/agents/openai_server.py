@@ -57,6 +57,7 @@ from typing import Any, Callable
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor, turn_seed
 from rlhforge.agents.values import _float_logs, to_float
 from rlhforge.agents.types import Trajectory
+from rlhforge.agents.token_check import EngineTurn
 from rlhforge.rollout.engine import SamplingParams
 
 __all__ = ["ChatServer", "ChatSession", "OpenAIServerAgentExecutor"]
@@ -89,6 +90,8 @@ class ChatSession:
     discarded_tokens: int = 0
     error: str | None = None
     lock: asyncio.Lock | None = None
+    turns: list = field(default_factory=list)
+    """Every generation call of the current segment (``agents.token_check.EngineTurn``)."""
 
     def remaining(self) -> int:
         used = len(self.tokens) - self.prompt_len + self.discarded_tokens
@@ -102,7 +105,7 @@ class ChatSession:
             self.segments_discarded += 1
             self.discarded_tokens += sum(e - s for s, e in self.action_ranges)
         self.tokens, self.prompt_len = list(ids), len(ids)
-        self.action_ranges, self.logprobs = [], []
+        self.action_ranges, self.logprobs, self.turns = [], [], []
 
 
 def _free_socket() -> socket.socket:
@@ -287,6 +290,7 @@ class ChatServer:
             stops = body.get("stop")
             if stops:
                 ids, lps, finish = self._apply_stop(ids, lps, finish, [stops] if isinstance(stops, str) else stops)
+            sess.turns.append(EngineTurn(tuple(prompt_ids), tuple(ids), tuple(float(x) for x in lps)))
             start = len(sess.tokens)
             sess.tokens.extend(ids)
             if ids:
@@ -458,6 +462,7 @@ class OpenAIServerAgentExecutor(EpisodeExecutor):
             reward=reward, score=score,
             extra={"agent_turns": float(sess.calls), "agent_env_tokens": float(sess.env_tokens),
                    "agent_segments_discarded": float(sess.segments_discarded), **logs},
+            engine_turns=list(sess.turns) if s.check_tokens else None,
         )
         return traj
 

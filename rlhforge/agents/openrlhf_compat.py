@@ -34,6 +34,7 @@ from typing import Any
 
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, turn_seed
 from rlhforge.agents.single_turn import PromptRequest
+from rlhforge.agents.token_check import EngineTurn
 from rlhforge.agents.types import Trajectory
 from rlhforge.rollout.engine import SamplingParams
 
@@ -181,7 +182,10 @@ async def run_openrlhf_execute(executor, ep: Episode, ctx: EpisodeContext) -> Tr
     if not inspect.isawaitable(result):
         raise AgentError("AgentExecutor.execute must be an async def (OpenRLHF's signature)")
     res = await result
-    return trajectory_from_result(res, req, engine, max_length, needs_reward=executor.reward_source is None)
+    traj = trajectory_from_result(res, req, engine, max_length, needs_reward=executor.reward_source is None)
+    if ctx.settings.check_tokens:  # what the engine really saw and produced, for agents.token_check
+        traj.engine_turns = [EngineTurn(tuple(ids), tuple(out), tuple(lps)) for ids, out, lps, _ in engine.calls]
+    return traj
 
 
 def trajectory_from_result(res: Any, req: PromptRequest, engine: OpenRLHFEngine, max_length: int, *,

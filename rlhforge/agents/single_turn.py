@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhforge.agents.token_check import EngineTurn
 from rlhforge.agents.types import Trajectory
 from rlhforge.rewards.base import RewardBatch, call_source
 from rlhforge.rollout.engine import SamplingParams
@@ -55,6 +56,7 @@ class SingleTurnExecutor:
                 rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason, label=req.label,
                 datasource=req.datasource, prompt_index=req.prompt_index, sample_index=req.sample_index,
                 routed_experts=out.extra.get("routed_experts"), vision=req.vision,
+                engine_turns=[EngineTurn(tuple(req.prompt_ids), tuple(out.token_ids), tuple(out.logprobs))],
             ))
         return trajs
 

@@ -52,6 +52,9 @@ class Trajectory:
     """The weights version (RL steps synced into the engines) that generated it; -1: unknown. With
     ``--train.partial_rollout_enable`` a response may end under a later one: ``policy_version_end``."""
     policy_version_end: int = -1
+    engine_turns: list | None = None
+    """``--train.check_tokens``: every generation call of the episode (``agents.token_check.EngineTurn``:
+    the ids the engine saw, the ids it produced, their log-probs), for :func:`check_trajectory`."""
 
     @property
     def truncated(self) -> bool:

@@ -3,13 +3,14 @@
 Sections and flag names follow OpenRLHF's ``train_ppo_ray`` (``--actor.*``, ``--critic.*``,
 ``--ref.*``, ``--reward.*``, ``--vllm.*``, ``--rollout.*``, ``--train.*``, ``--algo.*``,
 ``--ds.*``, ``--data.*``, ``--eval.*``, ``--ckpt.*``, ``--logger.*``). Where our default differs
-from OpenRLHF's the field's docstring says so and ``docs/rl.md`` lists it. Flags of features not
-built yet (VLM, ...) are accepted by
-name and fail at start-up when set to anything but their default (``validate``), never silently.
+from OpenRLHF's the field's docstring says so and ``docs/rl.md`` lists it. An OpenRLHF flag that has
+no effect here prints one notice line, and one that cannot be honoured is refused at start-up with
+the reason (``validate``), never silently.
 
-OpenRLHF 0.9's flat names (``--pretrain``, ``--rollout_batch_size``, ``--init_kl_coef`` ...) are
-rewritten by :data:`rlhforge.config.rl_aliases.RL_LEGACY_ALIASES` with a one-line deprecation notice.
-Validation and the alias tables live in :mod:`rlhforge.config.rl_rules`.
+OpenRLHF 0.9's flat names (``--pretrain``, ``--rollout_batch_size``, ``--init_kl_coef`` ...) and 0.10's
+IS-correction pair are rewritten by :mod:`rlhforge.config.rl_aliases` with a one-line deprecation
+notice (the ``--deadline.*`` names of older timeouts without one: :mod:`rlhforge.config.deadline`).
+Validation lives in :mod:`rlhforge.config.rl_rules`.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class ActorConfig(_ModelOptim):
     """MoE models: weight of the router's load-balancing loss added to the actor loss, logged as
     ``actor/aux_loss`` (as OpenRLHF; 0: off; a dense model prints one notice)."""
     freeze_visual_encoder: bool = False
-    """VLM only (not supported yet)."""
+    """Vision-language actors: keep the vision tower frozen (docs/vlm.md); refused for a text-only model."""
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,10 @@ class RLTrainConfig:
     serve-sandbox`` servers (comma-separated: failover) or ``endpoints:FILE`` (re-read on every call);
     None: ``$RLHFORGE_SANDBOX_URL``, else a local sandbox. The key: ``$RLHFORGE_SANDBOX_API_KEY``.
     rlhforge-specific (the agentic fork's code server)."""
+    check_tokens: bool = False
+    """Prove every step that the tokens trained on are the tokens the engine saw and produced, turn by
+    turn (no re-tokenisation drift; feedback masked; docs/reliability.md): a mismatch stops the run
+    naming the sample, turn and position (exit 3). Costs a copy of each turn's input. rlhforge-specific."""
     agent_openai_prefix_mismatch: Literal["error", "new_segment"] = "error"
     """OpenAI-client agents: a request whose prompt does not extend the recorded conversation fails
     the sample (``error``) or restarts the trajectory from it (``new_segment``: only the last
@@ -387,9 +392,9 @@ class RLDataConfig:
     dataloader_num_workers: int = 0
     """No effect (prints a notice): prompts are tokenised once, before training."""
     image_key: str = "images"
-    """VLM only (not supported yet: refused unless ``images``)."""
+    """Vision-language actors: the record field holding the prompt's images (docs/vlm.md)."""
     max_images_per_prompt: int = 0
-    """VLM only (not supported yet: must stay 0)."""
+    """Vision-language actors: most images per prompt record (0: no bound)."""
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, Sync
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.distributed.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
 from rlhforge.trainers.rl_ckpt import RLCheckpointing, RLState, rl_guard
-from rlhforge.trainers.rl_data import GroupBuffer, PromptStream, eval_metrics, gather_groups, version_lag
+from rlhforge.trainers.rl_data import GroupBuffer, PromptStream, check_tokens, eval_metrics, gather_groups, version_lag
 from rlhforge.distributed.workers import PolicyLossSpec
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -257,7 +257,8 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
 
     def rollout(self):
         """Generate and score ``rollout.batch_size`` prompt groups (refilling past dynamic filtering).
-        Returns ``(trajectories, metrics, prompt-stream position after them)``; runs in the trainer's
+        Returns ``(trajectories, metrics, prompt-stream position after them, stream positions of the
+        groups still buffered)``; runs in the trainer's
         thread (sync) or in the generator thread (async), which then owns the prompt stream."""
         cfg = self.cfg
         n, need = cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size
@@ -338,6 +339,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         cfg = self.cfg
         rewards = self.shaped_rewards(trajs)
         samples = samples_from_trajectories(trajs, rewards.tolist())
+        checked = check_tokens(trajs, samples) if cfg.train.check_tokens else {}  # --train.check_tokens
         mb, temp = cfg.rollout.micro_batch_size, cfg.rollout.temperature
         self.old_from_update = self._old_equals_update(len(samples))
         if self.old_from_update:  # pi_old = the update's own forward (ratio 1): no separate pass
@@ -356,7 +358,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         mask = pad_rows([torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples])
         old_lp = pad_rows([s.tensors["old_logprobs"] for s in samples])
         roll_lp = pad_rows([s.tensors["rollout_logprobs"] for s in samples])
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = dict(checked)
         kl = None
         if self.ref is not None:
             ref_lp = pad_rows([s.tensors["ref_logprobs"] for s in samples])

@@ -10,7 +10,7 @@ import torch
 
 from rlhforge.data.errors import DataError
 
-__all__ = ["Prompt", "load_prompts", "PromptStream", "GroupBuffer", "Gathered", "gather_groups", "version_lag"]
+__all__ = ["Prompt", "load_prompts", "PromptStream", "GroupBuffer", "Gathered", "gather_groups", "version_lag", "check_tokens"]
 
 
 @dataclass(frozen=True)
@@ -259,3 +259,19 @@ def version_lag(trajs, version: int) -> dict[str, float]:
     return {"rollout/version_lag_mean": sum(lags) / len(lags), "rollout/version_lag_max": float(max(lags)),
             "rollout/version_lag_end_min": float(min(ends)) if ends else float(min(lags)),
             "rollout/policy_version_min": float(version - max(lags))}
+
+
+def check_tokens(trajs, samples) -> dict[str, float]:
+    """``--train.check_tokens``: every trajectory equals what the engine saw and produced, turn by turn,
+    and the training rows equal the trajectories (:mod:`rlhforge.agents.token_check`); raises
+    ``TokenDriftError`` (exit 3) at the first difference."""
+    from rlhforge.agents.token_check import TokenDriftError, check_trajectory, check_training_rows
+
+    turns = 0
+    for t in trajs:
+        if t.engine_turns is None:
+            raise TokenDriftError(f"prompt {t.prompt_index} sample {t.sample_index}: its executor kept no record of "
+                                  "the engine's turns, so --train.check_tokens cannot check it")
+        turns += check_trajectory(t, t.engine_turns)
+    check_training_rows(trajs, [(s.input_ids, s.loss_mask, s.tensors["rollout_logprobs"]) for s in samples])
+    return {"rollout/tokens_checked_samples": float(len(trajs)), "rollout/tokens_checked_turns": float(turns)}
