@@ -69,14 +69,14 @@ def save_step_checkpoint(strategy, ckpt_cfg, step: int, trainer_state: dict, exp
                            max_mem_gb=ckpt_cfg.max_mem, export_hf=export if ckpt_cfg.save_hf else None, config=config)
 
 
-def resume_trainer_state(strategy, ckpt_cfg, logger, cfg=None) -> dict | None:
+def resume_trainer_state(strategy, ckpt_cfg, logger, cfg=None, plan=None) -> dict | None:
     """With ``--ckpt.load_enable`` and a checkpoint in ``ckpt.path``: check ``cfg`` against the
     checkpoint's config (:mod:`rlhforge.trainers.resume`), restore the strategy and RNG, cut
     ``metrics.jsonl`` back to the checkpoint's step and return the trainer state dict. None (after
     one notice line) when there is nothing to resume."""
     from rlhforge.backend.checkpoint import load_checkpoint
     from rlhforge.config.parsing import to_dict
-    from rlhforge.trainers.resume import check_resume_config, find_resume_checkpoint
+    from rlhforge.trainers.resume import check_resume_config, find_resume_checkpoint, resume_line
 
     log = print if strategy.is_rank0 else (lambda *_a, **_k: None)
     path = find_resume_checkpoint(ckpt_cfg, strategy.is_rank0, log)
@@ -87,7 +87,9 @@ def resume_trainer_state(strategy, ckpt_cfg, logger, cfg=None) -> dict | None:
     state = load_checkpoint(strategy, path)
     logger.truncate_after(int(state["global_step"]))
     if strategy.is_rank0:
-        print(f"[rlhforge] resumed from {path} at step {state['global_step']}")
+        step = int(state["global_step"])
+        print(resume_line(path, step, plan.total_steps, plan.steps_per_epoch) if plan is not None
+              else f"[rlhforge] resuming from {path}: steps 1-{step} are done")
     return state
 
 

@@ -96,3 +96,18 @@ def find_resume_checkpoint(ckpt_cfg, is_rank0: bool = True, log=print) -> Path |
     elif removed:
         log(f"[rlhforge] resume: removed interrupted save(s) {', '.join(removed)} in {root}")
     return path
+
+
+def resume_line(path: Path, step: int, total_steps: int, steps_per_epoch: int | None = None,
+                details: str = "") -> str:
+    """The one line a resumed run prints: what it continues from and what is left (or that nothing is)."""
+    if step >= total_steps:
+        return (f"[rlhforge] resume: {path} is the run's last step ({step} of {total_steps}): nothing left to train; "
+                "the final model is exported again (raise the step count, with --ckpt.allow_config_change, to train on)")
+    where = ""
+    if steps_per_epoch:
+        epoch, k = divmod(step, steps_per_epoch)
+        where = f" (epoch {epoch + 1}, step {k + 1} of {steps_per_epoch} in it)"
+    done = "step 1 of" if step == 1 else f"steps 1-{step} of"
+    return (f"[rlhforge] resuming from {path}: {done} {total_steps} {"is" if step == 1 else "are"} done; next is step {step + 1}{where}"
+            + (f"; {details}" if details else ""))

@@ -16,7 +16,7 @@ from rlhforge.backend.checkpoint import load_checkpoint, save_checkpoint
 from rlhforge.config.parsing import to_dict
 from rlhforge.distributed.groups import GroupCheckpoint
 from rlhforge.trainers.faults import RunGuard
-from rlhforge.trainers.resume import check_resume_config, find_resume_checkpoint
+from rlhforge.trainers.resume import check_resume_config, find_resume_checkpoint, resume_line
 
 __all__ = ["RLState", "RLCheckpointing", "rl_guard"]
 
@@ -84,7 +84,20 @@ class RLCheckpointing:
         self.stream.position = self.state.prompt_position
         self.rollout_buffer.pending = list(self.state.buffered_positions)  # generated again first (rl_data.py)
         self.logger.truncate_after(self.state.global_step)
-        print(f"[rlhforge] resumed from {path} at step {self.state.global_step}")
+        print(resume_line(path, self.state.global_step, self.plan.total_steps, details=self._resume_details()))
+
+    def _resume_details(self) -> str:
+        """Where the prompt stream continues, what is generated again, and what async changes."""
+        n, pos = max(len(self.prompts), 1), self.state.prompt_position
+        parts = [f"prompts continue at stream position {pos} (episode {pos // n + 1}, prompt {pos % n + 1} of {n})"]
+        if self.state.buffered_positions:
+            parts.append(f"{len(self.state.buffered_positions)} prompt group(s) generated before the checkpoint but not "
+                         "trained (oversampling) are generated again first")
+        if self.cfg.train.async_enable:
+            parts.append("async: batches the old run had queued past this step are generated again from here with "
+                         "this step's weights (same prompts and seeds; an uninterrupted run generated them with "
+                         "older weights, so the curve continues but is not bit-identical)")
+        return "; ".join(parts)
 
     # -- one optimizer step's result -------------------------------------------------------------
     def _add_update(self, sums: dict[str, list[float]], model: str, results: list[dict], chunk) -> None:

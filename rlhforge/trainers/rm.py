@@ -264,7 +264,7 @@ class RMTrainer:
                                     export=self.export)
 
     def _maybe_resume(self) -> None:
-        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg)
+        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg, self.plan)
         if state is not None:
             self.guard.load_state_dict(state.get("faults"))
             stats = state.get("reward_stats")

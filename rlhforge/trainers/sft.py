@@ -205,7 +205,7 @@ class SFTTrainer:
                                     export=lambda d: save_hf(self.strategy, self.tokenizer, d))
 
     def _maybe_resume(self) -> None:
-        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg)
+        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg, self.plan)
         if state is not None:
             self.guard.load_state_dict(state.get("faults"))
             self.state = SFTState(global_step=int(state["global_step"]))

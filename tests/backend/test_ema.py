@@ -128,7 +128,7 @@ def test_rl_cli_exports_the_ema_and_resume_matches_the_straight_run(tiny_model_d
     cmd = [sys.executable, "-m", "rlhforge.cli.train_ppo_ray", *_ema_args(tiny_model_dir, resumed, "--ckpt.load_enable")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout
+    assert "resuming from" in proc.stdout
     ema_resumed = torch.load(resumed / "ckpts" / "step_2" / "ema_rank0.pt", weights_only=True)["shadow"]
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     for k in names:

@@ -70,7 +70,8 @@ def test_checkpoint_at_an_epoch_boundary_resumes_into_the_next_epoch(tiny_model_
     assert sft_main(sft_args(tiny_model_dir, data, run, "--train.max_epochs", "2", "--ckpt.save_steps", "6",
                              "--ckpt.load_enable")) == 0
     out = capsys.readouterr().out
-    assert f"resumed from {run / 'ckpts' / 'step_6'} at step 6" in out
+    assert (f"[rlhforge] resuming from {run / 'ckpts' / 'step_6'}: steps 1-6 of 12 are done; next is step 7 "
+            "(epoch 2, step 1 of 6 in it)") in out.splitlines()
     got, want = _curve(run), _curve(ref)
     assert sorted(got) == list(range(7, 13))  # epoch 2 was trained, step by step
     assert all(1.0 < got[s]["train/epoch"] <= 2.0 for s in got)
@@ -108,3 +109,18 @@ def test_changes_that_break_exact_resumption_are_refused_unless_allowed(tiny_mod
     assert sft_main([*changed, "--ckpt.allow_config_change"]) == 0
     out = capsys.readouterr().out
     assert "--ckpt.allow_config_change: resuming with data.max_len, train.batch_size, train.seed changed" in out
+
+
+def test_resume_after_the_last_step_says_nothing_is_left(tiny_model_dir, straight, tmp_path, capsys):
+    data, ref = straight
+    run = tmp_path / "finished"
+    (run / "ckpts").mkdir(parents=True)
+    shutil.copytree(ref / "ckpts" / "step_12", run / "ckpts" / "step_12")
+    (run / "ckpts" / "latest").write_text("step_12")
+    assert sft_main(sft_args(tiny_model_dir, data, run, "--train.max_epochs", "2", "--ckpt.save_steps", "6",
+                             "--ckpt.load_enable")) == 0
+    out = capsys.readouterr().out
+    assert (f"[rlhforge] resume: {run / 'ckpts' / 'step_12'} is the run's last step (12 of 12): nothing left to "
+            "train") in out
+    assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
+    assert (run / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()

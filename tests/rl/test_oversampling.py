@@ -125,7 +125,7 @@ def _expected(cfg_out, steps):
     return out
 
 
-def test_oversampling_run_and_resume_account_for_every_prompt(tiny_model_dir, tmp_path):
+def test_oversampling_run_and_resume_account_for_every_prompt(tiny_model_dir, tmp_path, capsys):
     reward = tmp_path / "reward.py"
     reward.write_text(SCORE_BY_LABEL)
     straight = tmp_path / "straight"
@@ -145,7 +145,12 @@ def test_oversampling_run_and_resume_account_for_every_prompt(tiny_model_dir, tm
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "ckpts" / "step_4", ignore_errors=True)
     (resumed / "ckpts" / "latest").write_text("step_2")
+    capsys.readouterr()
     assert rl_main(_oversampling_args(tiny_model_dir, resumed, reward, 4) + ["--ckpt.load_enable"]) == 0
+    # a checkpoint in the middle of a generation round: the line names what is generated again
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[rlhforge] resuming from")]
+    assert "steps 1-2 of 4 are done; next is step 3" in line and f"stream position {expected[1][3]}" in line
+    assert f"{len(expected[1][4])} prompt group(s) generated before the checkpoint but not trained" in line
     for key in ("rollout/prompts_consumed", "rollout/groups_from_buffer", "rollout/buffered_groups"):
         a, b = per_step(straight, key), per_step(resumed, key)
         assert [b[s] for s in (3, 4)] == [a[s] for s in (3, 4)], key

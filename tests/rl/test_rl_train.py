@@ -93,7 +93,8 @@ def test_resume_matches_the_straight_run(tiny_model_dir, tmp_path):
            *rl_args(tiny_model_dir, resumed, *extra, "--ckpt.load_enable", estimator="gae", steps=4)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout
+    assert (f"resuming from {resumed / 'ckpts' / 'step_2'}: steps 1-2 of 4 are done; next is step 3; prompts "
+            "continue at stream position") in proc.stdout
     for key in ("rollout/reward_mean", "actor/policy_loss", "critic/value_loss", "rollout/kl_coef", "actor/grad_norm"):
         a, b = per_step(straight, key), per_step(resumed, key)
         assert sorted(b) == [1, 2, 3, 4], key

@@ -174,7 +174,7 @@ def test_resume_with_images_matches_the_straight_run(vlm_dir, rl_data, tmp_path,
     extra[extra.index("--ckpt.path") + 1] = str(resumed / "ckpts")
     capsys.readouterr()
     assert main(_rl_args(vlm_dir, rl_data, resumed, *extra, "--ckpt.load_enable")) == 0
-    assert "resumed from" in capsys.readouterr().out  # from step 2's state, not from scratch
+    assert "resuming from" in capsys.readouterr().out  # from step 2's state, not from scratch
     assert [json.loads(x)["step"] for x in (resumed / "metrics.jsonl").read_text().splitlines()][-1:] == [3]
     for key in ("rollout/reward_mean", "actor/policy_loss", "actor/grad_norm", "actor/kl_ref"):
         a, b = per_step(straight, key), per_step(resumed, key)

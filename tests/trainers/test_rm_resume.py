@@ -55,7 +55,7 @@ def test_interrupted_and_resumed_run_matches_the_straight_run(tiny_model_dir, tm
     proc = subprocess.run([sys.executable, "-m", "rlhforge.cli.train_rm", *args(tiny_model_dir, resumed),
                            "--ckpt.load_enable"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f"resumed from {resumed / 'ckpt' / 'step_2'} at step 2" in proc.stdout
+    assert f"resuming from {resumed / 'ckpt' / 'step_2'}: steps 1-2 of {STEPS} are done; next is step 3" in proc.stdout
 
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))

@@ -97,7 +97,9 @@ def test_resume_in_a_new_process_continues_the_same_curve(tiny_model_dir, tmp_pa
     args[args.index("--ckpt.path") + 1] = str(split / "ckpts")
     second = _run_cli(args)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout and "step_10" in second.stdout
+    # mid-epoch: step 10 is step 4 of epoch 2's 6; the line says exactly what is next
+    assert (f"resuming from {split / 'ckpts' / 'step_10'}: steps 1-10 of 12 are done; next is step 11 (epoch 2, "
+            "step 5 of 6 in it)") in second.stdout
     a, b = losses(straight), losses(split)
     assert sorted(a) == sorted(b) == list(range(1, 13))
     for step in (11, 12):
