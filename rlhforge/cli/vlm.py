@@ -1,5 +1,5 @@
-"""The vision-language side of ``rlhforge sft`` and ``rlhforge dpo`` (docs/vlm.md): checks, processor,
-samples, models.
+"""The vision-language side of ``rlhforge sft``, ``rlhforge dpo`` and ``rlhforge rl`` (docs/vlm.md): checks,
+processor, samples, models (RL: :func:`vlm_rl_setup`).
 
 ``train_sft.run`` / ``train_dpo.run`` ask :func:`vlm_setup` whether the model is a VLM (from its
 config); when it is, the tokenizer is a :class:`rlhforge.models.vlm.VisionProcessor` (tokenizer +

@@ -129,15 +129,21 @@ class ActorWorker(TrainableWorker):
         coef = cfg.actor.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
         self.aux_loss_coef = coef if aux_loss_enabled(coef, self.strategy.module, "--actor.aux_loss_coef") else 0.0
 
-    def _token_logprobs(self, batch: dict, temperature: float, return_logits: bool = False, **kwargs):
-        """``token_logprobs`` of a micro-batch, across the ring when ring attention is on (every rank
-        of a ring holds the same samples and gets the same result)."""
+    def _token_logprobs(self, batch: dict, temperature: float, return_entropy: bool = False,
+                        entropy_grad: bool = True, **kwargs):
+        """``token_logprobs`` of a micro-batch (with ``return_entropy``: ``(logprobs, entropy, *aux)``), across
+        the ring when ring attention is on (every rank of a ring holds the same samples and gets the same
+        result). Off the ring the full-vocabulary logits are never materialised (models.chunked_head)."""
         if self.ring is not None:
             from rlhforge.backend.context_parallel import ring_token_logprobs
 
-            return ring_token_logprobs(self.model, batch, self.ring, temperature, return_logits=return_logits)
-        return token_logprobs(self.model, batch, temperature, return_logits=return_logits, share_prefixes=True,
-                              **kwargs)
+            out = ring_token_logprobs(self.model, batch, self.ring, temperature, return_logits=return_entropy)
+            if not return_entropy:
+                return out
+            logp, logits = out
+            return logp, shifted_entropy(logits if entropy_grad else logits.detach(), temperature)
+        return token_logprobs(self.model, batch, temperature, return_entropy=return_entropy, entropy_grad=entropy_grad,
+                              share_prefixes=True, **kwargs)
 
     # -- inference --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -186,9 +192,9 @@ class ActorWorker(TrainableWorker):
                                                  routing=self.routing_replay, image_token_id=self.image_token_id),
                               self.device)
             with strategy.autocast():
-                logp, logits, *aux = self._token_logprobs(batch, spec.temperature, return_logits=True,
-                                                          return_aux_loss=bool(self.aux_loss_coef))
-            entropy = shifted_entropy(logits if spec.entropy_coef else logits.detach(), spec.temperature)
+                logp, entropy, *aux = self._token_logprobs(batch, spec.temperature, return_entropy=True,
+                                                           entropy_grad=bool(spec.entropy_coef),
+                                                           return_aux_loss=bool(self.aux_loss_coef))
             if self.packed:  # one row per sample: sequence-level terms (seq-mean modes, GSPO) need samples
                 batch, logp, entropy = packed_as_rows(batch, logp, entropy)
             mask = batch["loss_mask"]

@@ -69,6 +69,12 @@ def _logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float) ->
     return logprobs_from_logits(logits, labels, temperature=temperature)
 
 
+def _entropy_from_logits(logits: Tensor, temperature: float, grad: bool) -> Tensor:
+    from rlhforge.algorithms.logprobs import entropy_from_logits
+
+    return entropy_from_logits(logits if grad else logits.detach(), temperature=temperature)
+
+
 def is_packed(batch: Mapping[str, Any]) -> bool:
     """A packed batch has no ``attention_mask`` (or ``None``) and carries ``position_ids``."""
     return batch.get("attention_mask") is None and batch.get("position_ids") is not None
@@ -244,6 +250,8 @@ def token_logprobs(
     return_aux_loss: bool = False,
     packed_layout: Literal["auto", "rows"] = "auto",
     share_prefixes: bool = False,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> Tensor | tuple[Tensor, ...]:
     """Per-token log-probs ``[B, T]`` (fp32) of ``batch["input_ids"]`` under ``model``.
 
@@ -272,10 +280,19 @@ def token_logprobs(
             (:mod:`rlhforge.models.shared_prefix`) where the sample-by-sample attention applies and the
             batch has no images, routing records or aux loss; the results are those of the batch as is.
 
+        return_entropy: also return the entropy ``[B, T]`` of the distribution that predicted each token
+            (0 where the log-probs are 0), differentiable unless ``entropy_grad`` is False.
+
+    Without ``return_logits`` the full-vocabulary logits are never materialised: the lm_head runs
+    chunk by chunk with recomputation in the backward (:mod:`rlhforge.models.chunked_head`; models
+    whose forward adds a soft-cap or a scale after the head keep the full logits).
+
     Returns:
-        ``logprobs`` [B, T] with 0 at the first token of each sample and at padding; with
-        ``return_logits``, ``(logprobs, logits)``. Differentiable.
+        ``logprobs`` [B, T] with 0 at the first token of each sample and at padding; then, as asked,
+        ``logits``, ``entropy``, the aux loss, in that order. Differentiable.
     """
+    from rlhforge.models.chunked_head import deferred_head, head_logprobs
+
     input_ids = batch["input_ids"]
     rows = layout = None
     if batch.get("pixel_values") is not None:  # a VLM batch: padded, positions from the model (M-RoPE)
@@ -296,30 +313,41 @@ def token_logprobs(
                   "use_cache": False}
     from rlhforge.models.segment_attention import segment_attention
 
-    with _routing_replay(model, batch, rows), segment_attention(model, kwargs):
+    with _routing_replay(model, batch, rows), segment_attention(model, kwargs), \
+            deferred_head(model, enabled=not return_logits) as head:
         if return_aux_loss:
             kwargs["output_router_logits"] = True
         outputs = model(**kwargs)
-        logits = outputs.logits
+        logits = outputs.logits  # the last hidden states where the head is deferred
     if layout is not None:  # back to the batch's own positions
         logits, kwargs["input_ids"] = layout.to_batch(logits, input_ids.shape), input_ids
     ids = kwargs["input_ids"]
-    # logits[:, t] predicts ids[:, t + 1]
-    shifted = _logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature)
+    # position t predicts ids[:, t + 1]
+    if head is not None:
+        shifted, ent = head_logprobs(head, logits[:, :-1], ids[:, 1:], temperature, entropy=return_entropy,
+                                     entropy_grad=entropy_grad)
+    else:
+        shifted = _logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature)
+        ent = _entropy_from_logits(logits[:, :-1], temperature, entropy_grad) if return_entropy else None
     logprobs = torch.cat([torch.zeros_like(shifted[:, :1]), shifted], dim=1)
+    entropy = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1) if return_entropy else None
     if rows is not None:
         logprobs = rows.to_packed(logprobs)
+        entropy = rows.to_packed(entropy) if return_entropy else None
         if return_logits:
             logits = rows.to_packed(logits)
-    logprobs = logprobs * prediction_mask(batch).to(logprobs.dtype)
+    predicted = prediction_mask(batch).to(logprobs.dtype)
+    logprobs = logprobs * predicted
+    if return_entropy:  # 0 where nothing is predicted (a sample's first token, padding), as the log-probs
+        entropy = entropy * predicted
+    out = [logprobs] + ([logits] if return_logits else []) + ([entropy] if return_entropy else [])
     if return_aux_loss:
         from rlhforge.models.moe import load_balancing_loss, moe_routing, token_mask_for_router
 
         num_experts, top_k = moe_routing(model)
         mask = token_mask_for_router(None if is_packed(batch) else batch["attention_mask"], rows)
-        aux = load_balancing_loss(outputs.router_logits, num_experts, top_k, mask)
-        return (logprobs, logits, aux) if return_logits else (logprobs, aux)
-    return (logprobs, logits) if return_logits else logprobs
+        out.append(load_balancing_loss(outputs.router_logits, num_experts, top_k, mask))
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def _shared_prefix_inputs(model, batch: Mapping[str, Any], aux: bool):

@@ -111,13 +111,18 @@ class TinyModelSpec:
     """MoE families only: experts each token is routed to."""
     moe_intermediate_size: int = 128
     """MoE families only: hidden size of each expert's MLP."""
+    model_vocab_size: int | None = None
+    """Rows of the model's embedding and head (None: the tokenizer's size). Real models pad theirs beyond
+    the tokenizer (Qwen3: 151,936 rows for 151,669 tokens); the logits' size follows this number."""
+    head_dim_override: int | None = None
+    """Attention head size when it is not ``hidden_size / num_attention_heads`` (Qwen3-0.6B: 128)."""
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
             )
-        head_dim = self.hidden_size // self.num_attention_heads
+        head_dim = self.head_dim_override or self.hidden_size // self.num_attention_heads
         if head_dim < 32:
             raise ValueError(
                 f"head_dim = hidden_size / num_attention_heads = {self.hidden_size} / "
@@ -134,7 +139,21 @@ class TinyModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_dim_override or self.hidden_size // self.num_attention_heads
+
+
+#: ``rlhforge tiny-model --preset NAME``: real shapes with random weights, ``(arch, spec)``
+PRESETS: dict[str, tuple[str, TinyModelSpec]] = {
+    # Qwen3-0.6B's config: hidden 1024, 28 layers, 16 query / 8 key-value heads of 128, MLP 3072, tied
+    "qwen3-0.6b": ("qwen3", TinyModelSpec(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                          num_attention_heads=16, num_key_value_heads=8, head_dim_override=128,
+                                          max_position_embeddings=40960, tie_word_embeddings=True,
+                                          model_vocab_size=151936)),
+    # a small body with the real vocabulary: the logits dominate memory as they do at 0.5-8B
+    "vocab-real-small": ("qwen3", TinyModelSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                                num_attention_heads=8, num_key_value_heads=4,
+                                                tie_word_embeddings=True, model_vocab_size=151936)),
+}
 
 
 #: --arch NAME -> transformers config class name (the model class follows from AutoModelForCausalLM)
@@ -191,7 +210,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(),
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size, seed=seed)
     fields = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=max(len(tokenizer), spec.model_vocab_size or 0),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -204,7 +223,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(),
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
-    if arch != "llama":  # the Llama config derives head_dim; the others are told it
+    if arch != "llama" or spec.head_dim_override:  # Llama derives head_dim unless told; the others are told it
         fields["head_dim"] = spec.head_dim
     fields.update(_family_fields(arch, spec))
     config = getattr(transformers, ARCHS[arch])(**fields)

@@ -1,0 +1,131 @@
+"""Log-probs and entropy straight from the last hidden states: the lm_head applied chunk by chunk, its
+logits never materialised for the whole batch (docs/performance.md, "Logits at real vocabularies").
+
+At a 151,936-token vocabulary a batch of 8 x 1k tokens has 1.2e9 logits: 2.5 GB in bf16, 5 GB in
+fp32, more than a 0.6B model's weights, gradients and Adam states together. Here the model runs with
+its output embedding replaced by an identity for the duration of the call (:func:`deferred_head`), so
+``outputs.logits`` holds the ``[B, T, H]`` hidden states. :func:`head_logprobs` then computes, for
+``c`` positions at a time, ``lm_head(h)`` -> fp32 -> ``/ temperature`` -> the label's log-prob (and the
+entropy), inside :func:`torch.utils.checkpoint.checkpoint`: only the chunk's hidden states are kept,
+and the backward recomputes the chunk's logits. The peak is one chunk's logits and their softmax
+(``c x V`` fp32) instead of ``B x T x V``.
+
+The head is called as the module it is, so every strategy sees an ordinary module call: ZeRO-3's
+hooks gather its weight (also in the recompute), FSDP2's root keeps it unsharded for the backward,
+LoRA / tied embeddings work unchanged. Results equal the full-logits path (fp32 per chunk, the same
+per-row matmul) to float rounding; tests/models/test_chunked_head.py checks it for every family.
+
+Models whose forward does more than ``lm_head(hidden)`` (a final logit soft-cap, a logit scale) keep
+the full-logits path (:func:`head_for`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["head_for", "deferred_head", "head_logprobs", "chunk_rows"]
+
+#: elements of one chunk's fp32 logits (64 Mi: 256 MiB; ~441 positions at a 151,936 vocabulary)
+CHUNK_ELEMENTS = 64 << 20
+
+
+class _Passthrough(nn.Module):
+    """Stands in for the output embedding while the model runs: returns the hidden states."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return hidden
+
+
+def _config(model):
+    for m in (model, getattr(model, "module", None), getattr(model, "base_model", None)):
+        cfg = getattr(m, "config", None)
+        if cfg is not None:
+            return cfg
+    return None
+
+
+def head_for(model) -> tuple[nn.Module, nn.Module, str] | None:
+    """``(lm_head, its parent module, attribute name)`` where the chunked path applies, else None: the
+    output embedding is a Linear held by one parent, and the config asks for nothing after it."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        return None
+    cfg = _config(model)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is None:
+            continue
+        if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None) not in (None, 1, 1.0):
+            return None
+        if getattr(c, "logits_scaling", 1.0) not in (None, 1, 1.0):
+            return None
+    owners = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if child is head]
+    if len(owners) != 1:
+        return None
+    return head, owners[0][0], owners[0][1]
+
+
+@contextlib.contextmanager
+def deferred_head(model, enabled: bool = True) -> Iterator[nn.Module | None]:
+    """Run ``model`` with its output embedding deferred: yields the head (``outputs.logits`` are then
+    hidden states), or None where :func:`head_for` does not apply (``outputs.logits`` are logits)."""
+    found = head_for(model) if enabled else None
+    if found is None:
+        yield None
+        return
+    head, parent, name = found
+    setattr(parent, name, _Passthrough())
+    try:
+        yield head
+    finally:
+        setattr(parent, name, head)
+
+
+def chunk_rows(vocab: int, chunk_elements: int | None = None) -> int:
+    """Positions per chunk: ``CHUNK_ELEMENTS`` fp32 logits (at least 16 positions)."""
+    return max(16, (chunk_elements or CHUNK_ELEMENTS) // max(vocab, 1))
+
+
+def _chunk(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: float, entropy: bool, entropy_grad: bool):
+    z = head(hidden).float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+    if not entropy:
+        return logp, None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        return logp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def head_logprobs(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: float = 1.0, *,
+                  entropy: bool = False, entropy_grad: bool = True, chunk: int | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
+    """``log softmax(head(hidden) / temperature)[labels]`` (and the entropy of that distribution) for
+    ``hidden`` ``[*, H]`` and ``labels`` ``[*]``, ``chunk`` positions at a time with recomputation in the
+    backward. Returns fp32 ``(logprobs [*], entropy [*] or None)``, differentiable w.r.t. ``hidden`` and
+    the head's parameters (the entropy only with ``entropy_grad``)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (got {temperature})")
+    lead = hidden.shape[:-1]
+    flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
+    rows = chunk or chunk_rows(head.out_features)
+    grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
+    lps, ents = [], []
+    for s in range(0, flat.shape[0], rows):
+        args = (head, flat[s : s + rows], flat_labels[s : s + rows], float(temperature), entropy, entropy_grad)
+        if grad:
+            from torch.utils.checkpoint import checkpoint
+
+            lp, ent = checkpoint(_chunk, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk(*args)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:  # no position: keep the graph connected
+        empty = flat.sum(-1).float()
+        return empty.reshape(lead), (empty.reshape(lead) if entropy else None)
+    logp = torch.cat(lps).reshape(lead)
+    return logp, (torch.cat(ents).reshape(lead) if entropy else None)

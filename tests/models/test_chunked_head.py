@@ -1,0 +1,89 @@
+"""The lm_head applied chunk by chunk (rlhforge.models.chunked_head): for every model family the
+log-probs, the entropy and the gradients equal the full-logits path (the same token_logprobs with
+``return_logits``, which keeps the head in the model), padded and packed, with chunks smaller than a
+row; soft-capped models (gemma3_text) keep the full logits; no full-vocabulary tensor is made."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhforge.algorithms.logprobs import entropy_from_logits
+from rlhforge.models import chunked_head
+from rlhforge.models.forward import prediction_mask, token_logprobs
+from rlhforge.models.tiny import ARCHS, TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SPEC = TinyModelSpec(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                     moe_intermediate_size=64, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def family(request, tmp_path_factory):
+    out = build_tiny_model(tmp_path_factory.mktemp(request.param) / "m", spec=SPEC, arch=request.param, seed=0)
+    torch.manual_seed(0)
+    return request.param, AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+
+
+def _batches(vocab):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[2, 8:] = 0  # right padding
+    padded = {"input_ids": ids * mask, "attention_mask": mask}
+    lens = [5, 4, 6]
+    packed = {"input_ids": torch.randint(3, vocab, (1, sum(lens)), generator=g),
+              "position_ids": torch.cat([torch.arange(n) for n in lens])[None], "seq_lens": lens}
+    return {"padded": padded, "packed": packed}
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_chunked_equals_full_logits_with_gradients(family, layout, monkeypatch):
+    arch, model = family
+    batch = _batches(model.config.vocab_size)[layout]
+    capped = chunked_head.head_for(model) is None
+    assert capped == (arch == "gemma3_text")  # Gemma's final-logit soft-cap keeps the full logits
+
+    model.zero_grad()
+    full, logits = token_logprobs(model, batch, 0.7, return_logits=True)
+    predicted = prediction_mask(batch)[:, 1:].float()  # entropy is 0 where nothing is predicted, as log-probs
+    ent_full = entropy_from_logits(logits[:, :-1], temperature=0.7) * predicted
+    (full.sum() + 0.3 * ent_full.sum()).backward()
+    g_full = _grads(model)
+
+    monkeypatch.setattr(chunked_head, "CHUNK_ELEMENTS", model.config.vocab_size * 4)  # 16-row chunks
+    model.zero_grad()
+    made = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, i, o: made.append(tuple(o.shape)))
+    try:
+        lp, ent = token_logprobs(model, batch, 0.7, return_entropy=True)
+    finally:
+        hook.remove()
+    (lp.sum() + 0.3 * ent[:, 1:].sum()).backward()
+    g_chunk = _grads(model)
+
+    torch.testing.assert_close(lp, full, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(ent[:, 1:], ent_full, atol=2e-6, rtol=1e-5)
+    assert torch.all(ent[:, 0] == 0)
+    assert g_chunk.keys() == g_full.keys()
+    for name in g_full:
+        torch.testing.assert_close(g_chunk[name], g_full[name], atol=2e-5, rtol=1e-4, msg=name)
+    if not capped:  # the head ran on chunks of at most 16 positions, forward and recompute
+        assert made and all(shape[0] <= 16 and len(shape) == 2 for shape in made)
+
+
+def test_entropy_without_grad_and_no_grad_mode(family):
+    arch, model = family
+    batch = _batches(model.config.vocab_size)["padded"]
+    lp, ent = token_logprobs(model, batch, 1.0, return_entropy=True, entropy_grad=False)
+    assert lp.requires_grad and not ent.requires_grad
+    with torch.no_grad():
+        again = token_logprobs(model, batch, 1.0)
+    torch.testing.assert_close(again, lp.detach())
+    assert model.get_output_embeddings() is chunked_head.head_for(model)[0] if chunked_head.head_for(model) else True
