@@ -108,6 +108,6 @@ def resume_line(path: Path, step: int, total_steps: int, steps_per_epoch: int | 
     if steps_per_epoch:
         epoch, k = divmod(step, steps_per_epoch)
         where = f" (epoch {epoch + 1}, step {k + 1} of {steps_per_epoch} in it)"
-    done = "step 1 of" if step == 1 else f"steps 1-{step} of"
-    return (f"[rlhforge] resuming from {path}: {done} {total_steps} {"is" if step == 1 else "are"} done; next is step {step + 1}{where}"
+    done = f"step 1 of {total_steps} is" if step == 1 else f"steps 1-{step} of {total_steps} are"
+    return (f"[rlhforge] resuming from {path}: {done} done; next is step {step + 1}{where}"
             + (f"; {details}" if details else ""))
