@@ -10,10 +10,11 @@ groups, and the vLLM engines (``--vllm.num_engines``) in engine actors of their 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from rlhforge.config.deadline import COLLECTIVE_TIMEOUT_ENV
 
-__all__ = ["init_ray", "ray_device", "build_ray_groups", "wait_for_resources", "close_groups"]
+__all__ = ["init_ray", "ray_device", "build_ray_groups", "wait_for_resources", "close_groups", "placement_line"]
 
 #: Set in every Ray worker (the driver's own value wins when it has one, as in OpenRLHF).
 RAY_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "WARN"}
@@ -31,12 +32,43 @@ def init_ray(num_cpus: int | None = None) -> None:
         kwargs["num_cpus"] = num_cpus or os.cpu_count()
         kwargs["include_dashboard"] = False
         kwargs["_node_ip_address"] = "127.0.0.1"  # a local cluster listens on loopback only
+    elif _is_loopback(address):
+        # a cluster whose nodes run on 127.0.0.1 (docs/distributed.md, "Several nodes on one machine"): the
+        # driver's node is on loopback too, and Ray must not rewrite the loopback address into the
+        # machine's own one (which nothing listens on)
+        kwargs["_node_ip_address"] = "127.0.0.1"
     try:
-        ray.init(address=address, **kwargs)
+        with _keep_loopback(address):
+            ray.init(address=address, **kwargs)
     except ConnectionError as err:
         from rlhforge.config.parsing import ConfigError
 
         raise ConfigError(f"could not connect to the Ray cluster at RAY_ADDRESS={address}: {err}") from None
+
+
+def _is_loopback(address: str | None) -> bool:
+    if not address or address in ("auto", "local"):
+        return False
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+@contextmanager
+def _keep_loopback(address: str | None):
+    """Ray (2.4x-2.6x) turns a loopback ``RAY_ADDRESS`` into this machine's own address before it
+    connects (``services.resolve_ip_for_localhost``), unless it believes multi-node clusters are off;
+    a cluster started on 127.0.0.1 listens on loopback only. Keep the address as given while connecting."""
+    from ray._private import ray_constants
+
+    if not _is_loopback(address) or not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        yield
+        return
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def ray_device(requested: str) -> str:
@@ -114,7 +146,20 @@ def _start_groups(cfg, tokenizer, plan, placement, pgs, device):
     for g in (actor, ref, critic, reward):  # all groups load their models at the same time; wait for them here
         if g is not None:
             g.ready()
+    print(placement_line(actor, ref, critic, reward))
     return actor, ref, critic, reward
+
+
+def placement_line(*groups) -> str:
+    """Which Ray node holds each rank: ``[rlhforge] ray nodes: 2; actor ranks 0 1 on 1a2b3c4d, ...``."""
+    nodes: dict[str, list[str]] = {}
+    for g in groups:
+        if g is None:
+            continue
+        for rank, node in enumerate(g.node_ids()):
+            nodes.setdefault(node, []).append(f"{g.name}:{rank}")
+    where = "; ".join(f"node {node[:8]}: {' '.join(ranks)}" for node, ranks in nodes.items())
+    return f"[rlhforge] ray placement over {len(nodes)} node(s): {where}"
 
 
 def wait_for_resources(placement, timeout_s: float = 30.0) -> None:

@@ -61,6 +61,11 @@ class WorkerHost:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 def create_placement_groups(plan, timeout_s: float = 120.0) -> dict[str, Any]:
     """One Ray placement group per key of ``plan.bundles`` (strategy PACK), ready."""
@@ -260,6 +265,10 @@ class RayWorkerGroup:
 
     def pids(self) -> list[int]:
         return self._get([h.pid.remote() for h in self.hosts], "pid")
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank."""
+        return self._get([h.node_id.remote() for h in self.hosts], "node_id")
 
     def close(self) -> None:
         import ray
