@@ -55,6 +55,11 @@ class EngineHost:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def generate(self, prompts: list, params: list, vision: list | None = None) -> list[GenerationOutput]:
         out = self.engine.generate_sync(prompts, params, vision)
         self.served += len(prompts)
@@ -135,6 +140,9 @@ class EngineActors:
                 ray.get(e.handle.pid.remote(), timeout=self.start_timeout_s)
             except Exception as err:  # noqa: BLE001
                 raise WorkerError(f"vLLM engine {e.index} failed to start: {_cause(err)}") from None
+        nodes = ray.get([e.handle.node_id.remote() for e in self.engines], timeout=self.start_timeout_s)
+        print("[rlhforge] engine placement: " + "; ".join(f"engine {e.index} on node {n[:8]}"
+                                                         for e, n in zip(self.engines, nodes)))
         return self
 
     # -- GenerationEngine ---------------------------------------------------------------------------

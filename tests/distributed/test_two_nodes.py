@@ -5,7 +5,8 @@ two nodes on 127.0.0.1, the driver joining through ``RAY_ADDRESS``.
   trains as usual;
 - the second node is lost mid-run (its raylet and workers killed at once, between two steps): the run
   stops in bounded time with exit 4 and a message naming the actor rank that died; after a node
-  joins again, ``--ckpt.load_enable`` continues the uninterrupted run's curve exactly.
+  joins again, ``--ckpt.load_enable`` continues the uninterrupted run's curve exactly;
+- three nodes: the vLLM engine actor on a node of its own, the weight-sync group across nodes.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def reward_func(queries, prompts, labels, **kwargs):
 
 
 @pytest.fixture()
-def cluster(ray_module):
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("two_node_cluster.py"))],
+def cluster(ray_module, request):
+    nodes = getattr(request, "param", 2)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("two_node_cluster.py")), str(nodes)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -67,13 +69,13 @@ def cluster(ray_module):
             proc.kill()
 
 
-def _run(address, out, tmp_path, *extra, env_extra=None, background=False):
+def _run(address, out, tmp_path, *extra, env_extra=None, background=False, steps=4):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     args = rl_args(ROOT / "unused", out, "--reward.remote_url", reward, "--train.workers", "ray",
                    "--actor.num_gpus_per_node", "2", "--ckpt.save_steps", "1", "--ckpt.max_num", "5",
                    "--deadline.collective_s", "30", "--deadline.worker_call_s", "90", "--algo.kl.init_coef", "0",
-                   *extra, steps=4)
+                   *extra, steps=steps)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_ADDRESS": address,
            "COUNT_FILE": str(out) + ".count", **(env_extra or {})}
     cmd = [sys.executable, "-m", "rlhforge.cli.train_ppo_ray", *args]
@@ -123,3 +125,25 @@ def test_two_nodes_on_loopback_node_loss_and_resume(cluster, tiny_model_dir, tmp
         assert sorted(b) == [1, 2, 3, 4], key
         for step in (3, 4):
             assert b[step] == pytest.approx(a[step], abs=1e-6), (key, step)
+
+
+@pytest.mark.usefixtures("vllm")
+@pytest.mark.parametrize("cluster", [3], indirect=True)
+def test_engine_actor_on_another_node_synced_across_nodes(cluster, tiny_model_dir, tmp_path):
+    """Three one-CPU nodes: the actor's two ranks take two of them, the vLLM engine actor the third, so
+    the weight-sync group (actor rank 0 -> engine, gloo) spans two nodes; every sync is verified."""
+    address, _ = cluster
+    out = tmp_path / "engines"
+    proc = _run(address, out, tmp_path, "--actor.model_name_or_path", str(tiny_model_dir), "--vllm.num_engines", "1",
+                steps=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (actors,) = [x for x in proc.stdout.splitlines() if x.startswith("[rlhforge] ray placement")]
+    (engines,) = [x for x in proc.stdout.splitlines() if x.startswith("[rlhforge] engine placement")]
+    actor_nodes = {part.split(":")[0].split()[-1] for part in actors.split(": ", 1)[1].split("; ")}
+    engine_node = engines.rsplit("on node ", 1)[1]
+    assert len(actor_nodes) == 2 and engine_node not in actor_nodes, (actors, engines)
+    assert sorted(per_step(out, "actor/policy_loss")) == [1, 2]
+    # the engine generated step 2 with the synced weights: its log-probs are the trainer's
+    gap = per_step(out, "rollout/logprob_diff_rollout_vs_train")
+    print("rollout-vs-train log-prob gap per step:", gap)
+    assert gap[2] < 1e-5, gap  # measured 2.2e-7
