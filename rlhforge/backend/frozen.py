@@ -83,6 +83,7 @@ class FrozenModel:
         self.kind, self.device = kind, device
         self.dtype = resolve_dtype(ds_cfg.param_dtype, device)
         self.offloads = self.reloads = self.moved_bytes = 0
+        self.held = False
         self.mode = "none"
         if kind == "deepspeed":
             self.model = self._deepspeed(model, ds_cfg, offload)
@@ -158,15 +159,32 @@ class FrozenModel:
     @contextlib.contextmanager
     def use(self) -> Iterator[torch.nn.Module]:
         """The model for one batch of forward passes (no grad, autocast as the actor's); with
-        ``host_copy`` offload it comes back to the device first and leaves again afterwards."""
-        if self.mode == "host_copy":
+        ``host_copy`` offload it comes back to the device first and leaves again afterwards (once for
+        all uses inside :meth:`hold`)."""
+        moves = self.mode == "host_copy" and not self.held
+        if moves:
             self._reload()
         try:
             with torch.no_grad(), self.autocast():
                 yield self.model
         finally:
-            if self.mode == "host_copy":
+            if moves:
                 self._offload()
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Keep a ``host_copy``-offloaded model on the device for every :meth:`use` inside (e.g. one
+        optimizer step's micro-batches)."""
+        if self.mode != "host_copy" or self.held:
+            yield
+            return
+        self._reload()
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+            self._offload()
 
     def local_numel(self) -> int:
         """Parameter elements this rank holds (ZeRO-3 / FSDP2: its partition, else the whole model)."""

@@ -46,8 +46,14 @@ def load_reference_model(cfg: DPOConfig, strategy, vlm: bool = False):
         ref = load_vlm_reference(path, model_cfg, ds_cfg, device)
     else:
         ref = load_causal_lm(path, model_cfg, ds_cfg, device)
-    ref = ref.to(device=device, dtype=strategy.dtype)
-    return ref
+    return ref  # FrozenModel gives it the policy's precision mechanism (run())
+
+
+def frozen_kind(strategy, cfg: DPOConfig) -> str:
+    """How the reference is prepared: as the policy's strategy (AutoTP policies keep a replicated one)."""
+    if cfg.ds.tensor_parallel_size > 1:
+        return "torch"
+    return {"DeepSpeedStrategy": "deepspeed", "FSDP2Strategy": "fsdp2"}.get(type(strategy).__name__, "torch")
 
 
 def run(cfg: DPOConfig) -> Path:
@@ -92,7 +98,13 @@ def run(cfg: DPOConfig) -> Path:
             if m is not None:
                 use_ring_attention(m)
     wrapped = strategy.prepare(model, plan.total_steps)
-    reference = Reference(strategy, wrapped, ref_model, offload=cfg.ref.offload, ring=ring)
+    frozen = None
+    if ref_model is not None:  # prepared like the policy: ZeRO-3 partitioned / FSDP2 sharded when it is
+        from rlhforge.backend.frozen import FrozenModel
+
+        frozen = FrozenModel(ref_model, cfg.ds, strategy.device, kind=frozen_kind(strategy, cfg),
+                             offload=cfg.ref.offload)
+    reference = Reference(strategy, wrapped, frozen, offload=cfg.ref.offload, ring=ring)
     out = Path(cfg.ckpt.output_dir)
     if strategy.is_rank0:
         save_yaml(cfg, out / "config.yaml")

@@ -95,40 +95,41 @@ def _sequence_logps(model, batch, with_aux: bool = False, ring=None) -> tuple[Te
 
 
 class Reference:
-    """Reference log-probs: a separate frozen model, the policy with its LoRA adapter disabled
-    (``model=None``), or values precomputed once per pair (:meth:`precompute`). With ``ring`` the
-    forward runs across the ring (a separate model must use ring attention too)."""
+    """Reference log-probs: a separate frozen model (a :class:`~rlhforge.backend.frozen.FrozenModel`,
+    prepared like the policy: ZeRO-3 partitioned over the ranks when the policy is, FSDP2 sharded
+    under FSDP2), the policy with its LoRA adapter disabled (``model=None``), or values precomputed
+    once per pair (:meth:`precompute`). With ``ring`` the forward runs across the ring (a separate
+    model must use ring attention too)."""
 
-    def __init__(self, strategy, policy, model: torch.nn.Module | None = None, *, offload: bool = False,
-                 ring=None):
+    def __init__(self, strategy, policy, model=None, *, offload: bool = False, ring=None):
         self.strategy, self.policy, self.model, self.offload = strategy, policy, model, offload
         self.ring = ring
         # a ring's ranks share one data shard; AutoTP: a tensor-parallel group shares one shard
         self.shard = (ring.dp_rank, ring.dp_size) if ring is not None else data_shard(strategy)
         self.copies = copies(strategy) * (ring.ring_size if ring is not None else 1)  # ranks holding each pair
         self.tables: dict[str, Tensor] = {}  # split -> [num_pairs, 2] (chosen, rejected)
-        if model is not None:
-            model.eval()
-            model.requires_grad_(False)
 
     @property
     def kind(self) -> str:
         if self.tables:
             return "precomputed"
-        return "adapter-disabled policy" if self.model is None else "separate model" + (" (offloaded)" if self.offload else "")
+        if self.model is None:
+            return "adapter-disabled policy"
+        st = self.model.stats()
+        total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.model.parameters())
+        part = f", {st['local_numel']} of {total} parameters on this rank" if st["local_numel"] < total else ""
+        return f"separate model ({st['kind']}{part}{', offloaded' if self.offload else ''})"
 
     @contextlib.contextmanager
     def active(self):
-        """Put an offloaded reference on the device for a while (one optimizer step, one eval)."""
-        if self.model is not None and self.offload:
-            self.model.to(self.strategy.device)
-            try:
-                yield
-            finally:
-                self.model.to("cpu")
-                empty_cache(self.strategy.device)
-        else:
+        """Keep an offloaded reference on the device for a while (one optimizer step, one eval)."""
+        if self.model is None:
             yield
+            return
+        with self.model.hold():
+            yield
+        if self.offload:
+            empty_cache(self.strategy.device)
 
     @torch.no_grad()
     def logps(self, batch) -> Tensor:
@@ -143,8 +144,8 @@ class Reference:
             finally:
                 module.train(was_training)
             return sums.detach()
-        with self.strategy.autocast():
-            sums, _, _ = _sequence_logps(self.model, batch, ring=self.ring)
+        with self.model.use() as model:
+            sums, _, _ = _sequence_logps(model, batch, ring=self.ring)
         return sums.detach()
 
     def lookup(self, split: str, indices: list[int]) -> Tensor | None:

@@ -49,3 +49,44 @@ def test_two_ranks_zero2_lora_match_one_process(tiny_model_dir, tmp_path):
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
     assert b[-1]["eval/loss"] == pytest.approx(a[-1]["eval/loss"], rel=1e-4)
     assert (dist / "ckpt" / "step_2" / "deepspeed").is_dir() and (dist / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_two_ranks_zero3_partition_the_reference_and_match_one_process(tiny_model_dir, tmp_path):
+    """A separate reference under ZeRO-3 is partitioned over the ranks like the policy (not a full copy
+    per rank), and the losses equal one process's."""
+    full = args(tiny_model_dir, tmp_path)
+    i = full.index("--ds.lora.rank")
+    del full[i : i + 2]  # a separate reference (no LoRA)
+    single = tmp_path / "single"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train_dpo.main(args_for(full, single)) == 0
+    finally:
+        torch.set_num_threads(n)
+    dist = tmp_path / "dist"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]), "TQDM_DISABLE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(29500 + (os.getpid() + 11) % 1000), "-m", "rlhforge.cli.train_dpo", *args_for(full, dist),
+           "--ds.zero_stage", "3"]
+    proc = run_torchrun(cmd, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (line,) = [x for x in proc.stdout.splitlines() if "reference: separate model" in x]
+    part = line.split("reference: separate model (deepspeed, ")[1]
+    local, total = (int(x) for x in part.split(" parameters on this rank")[0].split(" of "))
+    assert local <= total // 2 + 1024, line  # each rank holds about half (ZeRO-3 pads partitions)
+    a, b = read_metrics(single), read_metrics(dist)
+    assert len(a) == len(b) == 3
+    assert b[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 0
+    for ra, rb in zip(a, b):
+        for key in ("train/loss", "train/reward_margin", "train/chosen_logp"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
+
+
+def args_for(template: list[str], out: Path) -> list[str]:
+    """``template`` (from :func:`args`) writing to ``out``."""
+    got = list(template)
+    for flag, value in (("--ckpt.output_dir", out), ("--ckpt.path", out / "ckpt")):
+        got[got.index(flag) + 1] = str(value)
+    return got
