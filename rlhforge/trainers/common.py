@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from rlhforge.backend.device import seed_everything  # noqa: F401 - re-exported for the trainers
+from rlhforge.backend.step import pad_micro_batch_count  # noqa: F401 - re-exported for the trainers
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
@@ -34,11 +35,11 @@ def micro_batches(
     return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
 
 
-def pad_micro_batch_count(strategy, batches: list[list[int]]) -> list[list[int] | None]:
-    """Every rank must run the same number of forward/backward passes (ZeRO-3 gathers, DDP hooks).
-    Ranks with fewer micro-batches get ``None`` entries: a zero-weighted pass on a dummy sample."""
-    count = strategy.all_reduce(torch.tensor(float(len(batches))), op="max")
-    return batches + [None] * (int(count.item()) - len(batches))
+def shard_batches(num_samples: int, shard: tuple[int, int], micro_batch_size: int) -> list[list[int]]:
+    """Evaluation micro-batches of data rank ``shard[0]`` of ``shard[1]``: every ``shard[1]``-th index."""
+    rank, ranks = shard
+    idx = list(range(rank, num_samples, ranks))
+    return [idx[i : i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
 
 
 def is_eval_step(step: int, steps_per_epoch: int, eval_steps: int, total_steps: int | None = None) -> bool:

@@ -20,8 +20,16 @@ from pathlib import Path
 
 import torch
 
-from rlhforge.algorithms.aggregation import aggregate_token_mean
 from rlhforge.backend.device import peak_memory_bytes
+from rlhforge.backend.step import (
+    StepNormaliser,
+    step_normaliser,
+    pad_micro_batch_count,
+    reduce_totals,
+    run_no_grad,
+    run_step,
+    sum_totals,
+)
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.packing import collate_packed, collate_padded
 from rlhforge.data.images import collate_vlm
@@ -34,9 +42,9 @@ from rlhforge.trainers.common import (
     indices_for_step,
     is_eval_step,
     micro_batches,
-    pad_micro_batch_count,
     resume_trainer_state,
     save_step_checkpoint,
+    shard_batches,
     step_timing,
 )
 from rlhforge.trainers.faults import guard_for
@@ -88,17 +96,26 @@ class SFTTrainer:
 
     def _token_nll(self, samples, with_aux: bool = False) -> tuple[torch.Tensor, ...]:
         """Per-token NLL ``[B, T]`` of ``samples`` and the target mask ``[B, T]`` (with ``with_aux``, and
-        the MoE load-balancing loss of the micro-batch)."""
+        the MoE load-balancing loss of the micro-batch); called under the strategy's autocast."""
         batch = self._collate(samples)
-        with self.strategy.autocast():
-            if self.ring is not None:
-                from rlhforge.backend.context_parallel import ring_token_logprobs
+        if self.ring is not None:
+            from rlhforge.backend.context_parallel import ring_token_logprobs
 
-                out = ring_token_logprobs(self.model, batch, self.ring)  # no aux loss with a ring (refused)
-            else:
-                out = token_logprobs(self.model, batch, return_aux_loss=with_aux)
+            out = ring_token_logprobs(self.model, batch, self.ring)  # no aux loss with a ring (refused)
+        else:
+            out = token_logprobs(self.model, batch, return_aux_loss=with_aux)
         logps, aux = out if with_aux else (out, None)
         return (-logps.float(), batch["loss_mask"].float()) + ((aux,) if with_aux else ())
+
+    def _loss(self, samples, norm: StepNormaliser, passes: int):
+        """This micro-batch's share of the step's token-mean NLL (+ MoE balancing loss), and its totals."""
+        nll, mask, *aux = self._token_nll(samples, with_aux=bool(self.aux_loss_coef))
+        loss = norm.aggregate(nll, mask)
+        totals = {"nll": (nll * mask).sum()}
+        if aux:  # as OpenRLHF: + coef x the micro-batch's balancing loss (the step's mean over micro-batches)
+            loss = loss + self.aux_loss_coef * aux[0] / passes
+            totals.update(aux=aux[0].float(), aux_passes=1.0)
+        return loss, totals
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -141,61 +158,40 @@ class SFTTrainer:
         save_hf(strategy, self.tokenizer, cfg.ckpt.output_dir)
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
-        strategy, cfg = self.strategy, self.cfg
-        samples = self.train_samples
-        local_tokens = sum(sum(samples[i].loss_mask) for i in indices)
-        global_tokens = strategy.all_reduce(torch.tensor(float(local_tokens)), op="sum").item() / self.copies
-        if global_tokens == 0:
+        strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
+        norm = step_normaliser(strategy, tokens=sum(sum(samples[i].loss_mask) for i in indices),
+                               ring_size=self.ring_size)
+        if norm.tokens == 0:
             raise RuntimeError(f"optimizer step {self.state.global_step + 1} has no target tokens on any rank")
         groups = micro_batches(indices, lambda i: len(samples[i].input_ids),
                                micro_batch_size=cfg.train.micro_batch_size,
                                max_tokens=cfg.train.max_tokens_per_device * self.ring_size)  # a ring: R devices
-        groups = pad_micro_batch_count(strategy, groups)
-        nll_total, aux_total = torch.zeros(()), torch.zeros(2)
-        for k, group in enumerate(groups):
-            is_dummy = group is None  # a zero-weighted pass keeping ranks aligned
-            nll, mask, *aux = self._token_nll([samples[indices[0]]] if is_dummy else [samples[i] for i in group],
-                                              with_aux=bool(self.aux_loss_coef))
-            loss = aggregate_token_mean(nll, mask, global_tokens=global_tokens,
-                                        dp_size=strategy.world_size // self.tp_size)
-            if aux:  # as OpenRLHF: + coef x the micro-batch's balancing loss (the step's mean over micro-batches)
-                loss = loss + self.aux_loss_coef * aux[0] / len(groups)
-                if not is_dummy:
-                    aux_total += torch.stack([aux[0].detach().float().cpu(), torch.ones(())])
-            strategy.backward(loss * 0.0 if is_dummy else loss, is_last_micro_batch=k == len(groups) - 1)
-            if not is_dummy:
-                nll_total += (nll * mask).sum().detach().cpu()
-        stats = strategy.step()
-        self.step_skipped = bool(stats.get("skipped", 0.0))
-        global_nll = strategy.all_reduce(nll_total, op="sum").item() / self.copies
-        out = {"train/loss": global_nll / global_tokens, "train/lr": stats["lr"],
-               "train/grad_norm": stats["grad_norm"], "train/tokens": global_tokens}
+        groups = [None if g is None else [samples[i] for i in g] for g in pad_micro_batch_count(strategy, groups)]
+        out = run_step(strategy, groups, lambda mb, n: self._loss(mb, n, len(groups)), norm,
+                       dummy=[samples[indices[0]]])
+        self.step_skipped = out.skipped
+        t = out.totals
+        metrics = {"train/loss": t["nll"] / norm.tokens, "train/lr": out.stats["lr"],
+                   "train/grad_norm": out.stats["grad_norm"], "train/tokens": norm.tokens}
         if self.aux_loss_coef:
-            aux_sum, passes = strategy.all_reduce(aux_total, op="sum").tolist()
-            out["train/aux_loss"] = aux_sum / max(passes, 1.0)
-        return out
+            metrics["train/aux_loss"] = t.get("aux", 0.0) / max(t.get("aux_passes", 0.0), 1.0 / norm.copies)
+        return metrics
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         if not self.eval_samples:
             return {}
-        strategy = self.strategy
-        strategy.eval()
-        shard = list(range(self.data_shard[0], len(self.eval_samples), self.data_shard[1]))
-        nll, count = torch.zeros(()), torch.zeros(())
-        mb = self.cfg.train.micro_batch_size
-        batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
-        for group in pad_micro_batch_count(strategy, batches):
-            if group is None:  # keep collectives aligned across ranks (ZeRO-3)
-                self._token_nll([self.eval_samples[0]])
-                continue
-            token_nll, mask = self._token_nll([self.eval_samples[i] for i in group])  # eval/loss: NLL only
-            nll += (token_nll * mask).sum().cpu()
-            count += mask.sum().cpu()
-        strategy.train()
-        nll = strategy.all_reduce(nll, op="sum").item() / self.copies
-        count = strategy.all_reduce(count, op="sum").item() / self.copies
-        return {"eval/loss": nll / max(count, 1.0), "eval/tokens": count}
+        samples = self.eval_samples
+        batches = pad_micro_batch_count(self.strategy, shard_batches(len(samples), self.data_shard,
+                                                                     self.cfg.train.micro_batch_size))
+
+        def nll(group):  # eval/loss: NLL only
+            token_nll, mask = self._token_nll([samples[i] for i in group])
+            return {"nll": (token_nll * mask).sum(), "tokens": mask.sum()}
+
+        totals = reduce_totals(self.strategy, sum_totals(run_no_grad(self.strategy, batches, nll, dummy=[0])),
+                               self.copies)
+        count = totals.get("tokens", 0.0)
+        return {"eval/loss": totals.get("nll", 0.0) / max(count, 1.0), "eval/tokens": count}
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
