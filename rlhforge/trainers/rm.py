@@ -32,10 +32,18 @@ from pathlib import Path
 
 import torch
 
-from rlhforge.algorithms.aggregation import aggregate_seq_mean_token_sum
 from rlhforge.algorithms.preference_losses import get_rm_loss
 from rlhforge.backend.autotp import copies, data_shard
 from rlhforge.backend.device import peak_memory_bytes
+from rlhforge.backend.step import (
+    StepNormaliser,
+    pad_micro_batch_count,
+    reduce_totals,
+    run_no_grad,
+    run_step,
+    step_normaliser,
+    sum_totals,
+)
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
 from rlhforge.models.reward import save_reward_model, sequence_rewards
@@ -45,9 +53,9 @@ from rlhforge.trainers.common import (
     indices_for_step,
     is_eval_step,
     micro_batches,
-    pad_micro_batch_count,
     resume_trainer_state,
     save_step_checkpoint,
+    shard_batches,
     step_timing,
 )
 from rlhforge.trainers.faults import guard_for
@@ -100,17 +108,17 @@ class RMTrainer:
     # -- one micro-batch -------------------------------------------------------------------------
     def _rewards(self, samples, with_aux: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen rewards [B], rejected rewards [B], margins [B]) of ``samples`` in one forward pass
-        (with ``with_aux``, the MoE load-balancing loss of that forward goes to ``self.aux``)."""
+        (with ``with_aux``, the MoE load-balancing loss of that forward goes to ``self.aux``); called under
+        the strategy's autocast."""
         batch = collate_pairs(samples, self.tokenizer.pad_token_id, packed=self.cfg.ds.packing_samples)
         device = self.strategy.device
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with self.strategy.autocast():
-            if self.ring is not None:  # no aux loss with a ring (refused)
-                from rlhforge.backend.context_parallel import ring_sequence_rewards
+        if self.ring is not None:  # no aux loss with a ring (refused)
+            from rlhforge.backend.context_parallel import ring_sequence_rewards
 
-                rewards = ring_sequence_rewards(self.model, batch, self.ring, self.cfg.ds.value_head_prefix)
-            else:
-                rewards = sequence_rewards(self.model, batch, self.cfg.ds.value_head_prefix, return_aux_loss=with_aux)
+            rewards = ring_sequence_rewards(self.model, batch, self.ring, self.cfg.ds.value_head_prefix)
+        else:
+            rewards = sequence_rewards(self.model, batch, self.cfg.ds.value_head_prefix, return_aux_loss=with_aux)
         rewards, self.aux = rewards if with_aux else (rewards, None)
         if self.cfg.model.compute_fp32_loss_enable:
             rewards = rewards.float()
@@ -120,6 +128,24 @@ class RMTrainer:
     def _loss_sum(self, chosen, rejected, margin) -> torch.Tensor:
         margin = margin if self.cfg.model.margin_loss_enable else None
         return self.loss_fn(chosen, rejected, margin) * chosen.shape[0]
+
+    def _totals(self, chunk, with_aux: bool = False) -> tuple[torch.Tensor, dict]:
+        """(summed pair loss of ``chunk`` (differentiable), its detached totals)."""
+        chosen, rejected, margin = self._rewards(chunk, with_aux=with_aux)
+        loss_sum = self._loss_sum(chosen, rejected, margin)
+        c, r = chosen.detach().double(), rejected.detach().double()
+        return loss_sum, {"loss": loss_sum, "correct": (c > r).sum(), "chosen": c.sum(), "rejected": r.sum(),
+                          "sq": c.square().sum() + r.square().sum(), "pairs": len(chunk),
+                          "tokens": sum(len(s) for s in chunk)}
+
+    def _loss(self, chunk, norm: StepNormaliser, passes: int):
+        """This micro-batch's share of the step's mean pair loss (+ MoE balancing loss), and its totals."""
+        loss_sum, totals = self._totals(chunk, with_aux=bool(self.aux_loss_coef))
+        loss = norm.seq_share(loss_sum)
+        if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
+            loss = loss + self.aux_loss_coef * self.aux / passes
+            totals.update(aux=self.aux.float(), aux_passes=1.0)
+        return loss, totals
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -164,71 +190,32 @@ class RMTrainer:
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
-        global_pairs = strategy.all_reduce(torch.tensor(float(len(indices))), op="sum").item()
+        norm = step_normaliser(strategy, seqs=len(indices), ring_size=self.ring_size)
         groups = micro_batches(indices, lambda i: len(samples[i]), micro_batch_size=cfg.train.micro_batch_size,
                                max_tokens=cfg.train.max_tokens_per_device * self.ring_size)  # a ring: R devices
-        groups = pad_micro_batch_count(strategy, groups)
-        # loss, correct, chosen reward, rejected reward, tokens
-        totals = torch.zeros(5, dtype=torch.float64)
-        aux_total = torch.zeros(2)
-        for k, group in enumerate(groups):
-            is_dummy = group is None
-            chunk = [samples[indices[0]]] if is_dummy else [samples[i] for i in group]
-            chosen, rejected, margin = self._rewards(chunk, with_aux=bool(self.aux_loss_coef))
-            loss_sum = self._loss_sum(chosen, rejected, margin)
-            # a ring counts its pairs R times: per rank loss_sum * world / pairs (the ring's partial gradients sum)
-            loss = pair_mean_share(loss_sum, global_pairs / self.ring_size, strategy.world_size)
-            if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
-                loss = loss + self.aux_loss_coef * self.aux / len(groups)
-                if not is_dummy:
-                    aux_total += torch.stack([self.aux.detach().float().cpu(), torch.ones(())])
-            strategy.backward(loss * 0.0 if is_dummy else loss, is_last_micro_batch=k == len(groups) - 1)
-            if not is_dummy:
-                c, r = chosen.detach().double().cpu(), rejected.detach().double().cpu()
-                totals += torch.stack([loss_sum.detach().double().cpu(), (c > r).double().sum(), c.sum(), r.sum(),
-                                       torch.tensor(float(sum(len(s) for s in chunk)), dtype=torch.float64)])
-        stats = strategy.step()
-        self.step_skipped = bool(stats.get("skipped", 0.0))
-        # AutoTP: sums count each pair once per tensor-parallel rank (the loss scale wants it); metrics do not,
-        # nor do they count the R ranks of a ring
-        c = self.copies
-        totals = strategy.all_reduce(totals, op="sum") / c
-        loss, correct, chosen_sum, rejected_sum, tokens = totals.tolist()
-        global_pairs = global_pairs / c
-        out = {}
+        groups = [None if g is None else [samples[i] for i in g] for g in pad_micro_batch_count(strategy, groups)]
+        out = run_step(strategy, groups, lambda mb, n: self._loss(mb, n, len(groups)), norm,
+                       dummy=[samples[indices[0]]])
+        self.step_skipped = out.skipped
+        t, pairs = out.totals, norm.seqs
+        metrics = {}
         if self.aux_loss_coef:
-            aux_sum, passes = strategy.all_reduce(aux_total, op="sum").tolist()
-            out["train/aux_loss"] = aux_sum / max(passes, 1.0)
-        return {**out, "train/loss": loss / global_pairs, "train/acc": correct / global_pairs,
-                "train/chosen_reward": chosen_sum / global_pairs, "train/rejected_reward": rejected_sum / global_pairs,
-                "train/reward_margin": (chosen_sum - rejected_sum) / global_pairs,
-                "train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"], "train/pairs": global_pairs,
-                "train/tokens": tokens}
+            metrics["train/aux_loss"] = t.get("aux", 0.0) / max(t.get("aux_passes", 0.0), 1.0 / norm.copies)
+        return {**metrics, "train/loss": t["loss"] / pairs, "train/acc": t["correct"] / pairs,
+                "train/chosen_reward": t["chosen"] / pairs, "train/rejected_reward": t["rejected"] / pairs,
+                "train/reward_margin": (t["chosen"] - t["rejected"]) / pairs,
+                "train/lr": out.stats["lr"], "train/grad_norm": out.stats["grad_norm"], "train/pairs": pairs,
+                "train/tokens": t["tokens"]}
 
-    @torch.no_grad()
     def _score(self, samples, prefix: str) -> dict[str, float]:
         """Loss/accuracy/reward statistics of ``samples`` (sharded over ranks, reduced)."""
-        strategy = self.strategy
-        strategy.eval()
-        rank, ranks = self.shard
-        shard = list(range(rank, len(samples), ranks))
-        mb = self.cfg.train.micro_batch_size
-        batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
-        # loss, correct, chosen sum, rejected sum, sum of all rewards^2, pairs
-        totals = torch.zeros(6, dtype=torch.float64)
-        for group in pad_micro_batch_count(strategy, batches):
-            if group is None:  # keep collectives aligned across ranks (ZeRO-3)
-                self._rewards([samples[0]])
-                continue
-            chosen, rejected, margin = self._rewards([samples[i] for i in group])
-            loss_sum = self._loss_sum(chosen, rejected, margin)
-            c, r = chosen.double().cpu(), rejected.double().cpu()
-            totals += torch.stack([loss_sum.double().cpu(), (c > r).double().sum(), c.sum(), r.sum(),
-                                   c.square().sum() + r.square().sum(), torch.tensor(float(len(group)), dtype=torch.float64)])
-        strategy.train()
-        loss, correct, chosen_sum, rejected_sum, sq_sum, pairs = (
-            strategy.all_reduce(totals, op="sum") / self.copies).tolist()
-        pairs = max(pairs, 1.0)
+        batches = pad_micro_batch_count(self.strategy, shard_batches(len(samples), self.shard,
+                                                                     self.cfg.train.micro_batch_size))
+        results = run_no_grad(self.strategy, batches, lambda g: self._totals([samples[i] for i in g])[1], dummy=[0])
+        t = reduce_totals(self.strategy, sum_totals(results), self.copies)
+        pairs = max(t.get("pairs", 0.0), 1.0)
+        loss, correct, chosen_sum, rejected_sum, sq_sum = (t.get(k, 0.0) for k in ("loss", "correct", "chosen",
+                                                                                  "rejected", "sq"))
         mean = (chosen_sum + rejected_sum) / (2 * pairs)
         std = max(math.sqrt(max(sq_sum / (2 * pairs) - mean * mean, 0.0)), 1e-8)
         return {f"{prefix}/loss": loss / pairs, f"{prefix}/acc": correct / pairs,
