@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from rlhforge.algorithms.aggregation import aggregate_seq_mean_token_sum
 from rlhforge.algorithms.preference_losses import get_rm_loss
 from rlhforge.backend.autotp import copies, data_shard
 from rlhforge.backend.device import peak_memory_bytes
