@@ -9,7 +9,7 @@ packed) ``h = (log pi_c - log pi_r) - (log pi_ref_c - log pi_ref_r)``:
 
 (:mod:`rlhforge.algorithms.preference_losses`.) The step loss is the mean over every pair of the
 optimizer step on all ranks: each micro-batch contributes ``sum(pair losses) * world_size /
-global_pairs`` (:func:`rlhforge.trainers.rm.pair_mean_share`).
+global_pairs`` (:meth:`rlhforge.backend.step.StepNormaliser.seq_share`).
 
 The reference log-probs come from (:class:`Reference`): a separate frozen model
 (``ref.model_name_or_path``, default the policy's checkpoint; ``ref.offload`` parks it on the CPU
@@ -42,6 +42,15 @@ from torch import Tensor
 from rlhforge.algorithms.preference_losses import chosen_nll_loss, dpo_sigmoid_loss, ipo_loss
 from rlhforge.backend.autotp import copies, data_shard
 from rlhforge.backend.device import empty_cache, peak_memory_bytes
+from rlhforge.backend.step import (
+    StepNormaliser,
+    pad_micro_batch_count,
+    reduce_totals,
+    run_no_grad,
+    run_step,
+    step_normaliser,
+    sum_totals,
+)
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
 from rlhforge.data.vlm_preference import VLMPreferenceSample, collate_vlm_pairs
@@ -53,12 +62,11 @@ from rlhforge.trainers.common import (
     indices_for_step,
     is_eval_step,
     micro_batches,
-    pad_micro_batch_count,
     resume_trainer_state,
     save_step_checkpoint,
+    shard_batches,
     step_timing,
 )
-from rlhforge.trainers.rm import pair_mean_share
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 from rlhforge.tracking.progress import Progress, progress_enabled
@@ -159,9 +167,7 @@ class Reference:
         """Reference log-probs of every pair of ``samples`` (sharded over ranks, then summed)."""
         strategy = self.strategy
         table = torch.zeros(len(samples), 2, dtype=torch.float64)
-        rank, ranks = self.shard
-        shard = list(range(rank, len(samples), ranks))
-        batches = [shard[i : i + micro_batch_size] for i in range(0, len(shard), micro_batch_size)]
+        batches = shard_batches(len(samples), self.shard, micro_batch_size)
         with self.active():
             for group in pad_micro_batch_count(strategy, batches):
                 chunk = [samples[0]] if group is None else [samples[i] for i in group]
@@ -215,16 +221,16 @@ class DPOTrainer:
             batch = collate_pairs(samples, self.tokenizer.pad_token_id, packed=self.cfg.ds.packing_samples)
         return {k: v.to(self.strategy.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    def _pair_losses(self, split: str, indices: list[int], samples) -> tuple[Tensor, Tensor]:
-        """(summed loss over the pairs (differentiable), detached totals in ``_FIELDS`` order)."""
+    def _pair_losses(self, split: str, indices: list[int], samples) -> tuple[Tensor, dict]:
+        """(summed loss over the pairs (differentiable), detached totals named as ``_FIELDS``); called
+        under the strategy's autocast."""
         m = self.cfg.model
         batch = self._collate(samples)
         ref = self.reference.lookup(split, indices)
         if ref is None:
             ref = self.reference.logps(batch)
-        with self.strategy.autocast():
-            sums, token_logps, mask, *aux = _sequence_logps(self.model, batch, ring=self.ring,
-                                                            with_aux=split == "train" and bool(self.aux_loss_coef))
+        sums, token_logps, mask, *aux = _sequence_logps(self.model, batch, ring=self.ring,
+                                                        with_aux=split == "train" and bool(self.aux_loss_coef))
         self.aux = aux[0] if aux else None
         n = len(samples)
         pc, pr, rc, rr = sums[:n], sums[n:], ref[:n].to(sums.dtype), ref[n:].to(sums.dtype)
@@ -238,17 +244,24 @@ class DPOTrainer:
         if m.nll_loss_coef > 0:
             nll_sum = chosen_nll_loss(token_logps[:n], mask[:n]) * n
             loss_sum = loss_sum + m.nll_loss_coef * nll_sum
-        c, r = chosen_rewards.double().cpu(), rejected_rewards.double().cpu()
-        totals = torch.stack([
-            loss_sum.detach().double().cpu(), (c > r).double().sum(), c.sum(), r.sum(),
-            pc.detach().double().sum().cpu(), pr.detach().double().sum().cpu(), nll_sum.detach().double().cpu(),
-            torch.tensor(float(sum(len(s) for s in samples)), dtype=torch.float64),
-        ])
+        c, r = chosen_rewards.detach().double(), rejected_rewards.detach().double()
+        totals = dict(zip(_FIELDS, (loss_sum, (c > r).sum(), c.sum(), r.sum(), pc.detach().double().sum(),
+                                    pr.detach().double().sum(), nll_sum,
+                                    sum(len(s) for s in samples))))
         return loss_sum, totals
 
+    def _loss(self, ids: list[int], norm: StepNormaliser, passes: int):
+        """This micro-batch's share of the step's mean pair loss (+ MoE balancing loss), and its totals."""
+        loss_sum, totals = self._pair_losses("train", ids, [self.train_samples[i] for i in ids])
+        loss = norm.seq_share(loss_sum)
+        if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
+            loss = loss + self.aux_loss_coef * self.aux / passes
+            totals.update(aux=self.aux.float(), aux_passes=1.0)
+        return loss, totals
+
     @staticmethod
-    def _metrics(totals: Tensor, pairs: float, prefix: str, with_nll: bool) -> dict[str, float]:
-        t = dict(zip(_FIELDS, totals.tolist()))
+    def _metrics(t: dict[str, float], pairs: float, prefix: str, with_nll: bool) -> dict[str, float]:
+        t = {k: t.get(k, 0.0) for k in _FIELDS}
         out = {f"{prefix}/{k}": t[k] / pairs for k in _FIELDS if k not in ("tokens", "nll_loss")}
         out[f"{prefix}/reward_margin"] = (t["chosen_reward"] - t["rejected_reward"]) / pairs
         if with_nll:
@@ -309,63 +322,34 @@ class DPOTrainer:
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
-        global_pairs = strategy.all_reduce(torch.tensor(float(len(indices))), op="sum").item()
+        norm = step_normaliser(strategy, seqs=len(indices), ring_size=self.ring_size)
         groups = micro_batches(indices, lambda i: len(samples[i]), micro_batch_size=cfg.train.micro_batch_size,
                                max_tokens=cfg.train.max_tokens_per_device * self.ring_size)  # a ring: R devices
         groups = pad_micro_batch_count(strategy, groups)
-        totals = torch.zeros(len(_FIELDS), dtype=torch.float64)
-        aux_total = torch.zeros(2)
         with self.reference.active():
-            for k, group in enumerate(groups):
-                is_dummy = group is None
-                ids = [indices[0]] if is_dummy else group
-                loss_sum, t = self._pair_losses("train", ids, [samples[i] for i in ids])
-                # a ring counts its pairs R times: per rank loss_sum * world / pairs (the ring's partial gradients sum)
-                loss = pair_mean_share(loss_sum, global_pairs / self.ring_size, strategy.world_size)
-                if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
-                    loss = loss + self.aux_loss_coef * self.aux / len(groups)
-                    if not is_dummy:
-                        aux_total += torch.stack([self.aux.detach().float().cpu(), torch.ones(())])
-                strategy.backward(loss * 0.0 if is_dummy else loss, is_last_micro_batch=k == len(groups) - 1)
-                if not is_dummy:
-                    totals += t
-        stats = strategy.step()
-        self.step_skipped = bool(stats.get("skipped", 0.0))
-        # AutoTP: the sums count each pair once per tensor-parallel rank (the loss scale above wants that:
-        # pairs x world / (tp x pairs) = the data-parallel size DeepSpeed averages over); metrics do not,
-        # nor do they count the R ranks of a ring
-        c = self.copies
-        totals = strategy.all_reduce(totals, op="sum") / c
-        metrics = self._metrics(totals, global_pairs / c, "train", cfg.model.nll_loss_coef > 0)
-        metrics.update({"train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"]})
+            out = run_step(strategy, groups, lambda ids, n: self._loss(ids, n, len(groups)), norm, dummy=[indices[0]])
+        self.step_skipped = out.skipped
+        metrics = self._metrics(out.totals, norm.seqs, "train", cfg.model.nll_loss_coef > 0)
+        metrics.update({"train/lr": out.stats["lr"], "train/grad_norm": out.stats["grad_norm"]})
         if self.aux_loss_coef:
-            aux_sum, passes = strategy.all_reduce(aux_total, op="sum").tolist()
-            metrics["train/aux_loss"] = aux_sum / max(passes, 1.0)
+            t = out.totals
+            metrics["train/aux_loss"] = t.get("aux", 0.0) / max(t.get("aux_passes", 0.0), 1.0 / norm.copies)
         return metrics
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         if not self.eval_samples:
             return {}
-        strategy, samples = self.strategy, self.eval_samples
-        strategy.eval()
-        rank, ranks = self.shard
-        shard = list(range(rank, len(samples), ranks))
-        mb = self.cfg.train.micro_batch_size
-        batches = [shard[i : i + mb] for i in range(0, len(shard), mb)]
-        totals = torch.zeros(len(_FIELDS), dtype=torch.float64)
-        pairs = torch.zeros((), dtype=torch.float64)
-        with self.reference.active():
-            for group in pad_micro_batch_count(strategy, batches):
-                ids = [0] if group is None else group  # a dummy pass keeps collectives aligned (ZeRO-3)
-                _, t = self._pair_losses("eval", ids, [samples[i] for i in ids])
-                if group is not None:
-                    totals += t
-                    pairs += len(group)
-        strategy.train()
-        totals = strategy.all_reduce(totals, op="sum") / self.copies
-        pairs = strategy.all_reduce(pairs, op="sum").item() / self.copies
-        return self._metrics(totals, max(pairs, 1.0), "eval", self.cfg.model.nll_loss_coef > 0)
+        samples = self.eval_samples
+        batches = pad_micro_batch_count(self.strategy, shard_batches(len(samples), self.shard,
+                                                                     self.cfg.train.micro_batch_size))
+
+        def totals(ids):
+            return {**self._pair_losses("eval", ids, [samples[i] for i in ids])[1], "pairs": len(ids)}
+
+        with self.reference.active():  # a dummy pass keeps collectives aligned (ZeRO-3)
+            results = run_no_grad(self.strategy, batches, totals, dummy=[0])
+        t = reduce_totals(self.strategy, sum_totals(results), self.copies)
+        return self._metrics(t, max(t.get("pairs", 0.0), 1.0), "eval", self.cfg.model.nll_loss_coef > 0)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:

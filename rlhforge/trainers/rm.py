@@ -4,8 +4,8 @@ Each micro-batch runs chosen and rejected sequences in one forward pass (padded 
 reward of a sequence is the value head at its last token (:func:`rlhforge.models.reward.sequence_rewards`).
 
 Loss: mean over every pair of the optimizer step, on all ranks together: each micro-batch
-contributes ``sum(pair losses) * world_size / global_pairs`` (:func:`pair_mean_share`, the contract
-of :mod:`rlhforge.algorithms.aggregation`; strategies sum over micro-batches and average over
+contributes ``sum(pair losses) * world_size / global_pairs`` (:meth:`rlhforge.backend.step.StepNormaliser.seq_share`,
+the contract of :mod:`rlhforge.algorithms.aggregation`; strategies sum over micro-batches and average over
 ranks), so the result does not depend on the number of ranks or micro-batches.
 Pair loss: ``sigmoid`` -log sigmoid(r_c - r_r - m) or ``logexp`` log(1 + exp(r_r - r_c + m))
 (:mod:`rlhforge.algorithms.preference_losses`), m = the record's margin with
@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-from rlhforge.algorithms.aggregation import aggregate_seq_mean_token_sum
 from rlhforge.algorithms.preference_losses import get_rm_loss
 from rlhforge.backend.autotp import copies, data_shard
 from rlhforge.backend.device import peak_memory_bytes
@@ -64,13 +63,6 @@ from rlhforge.tracking.metrics import MetricsLogger
 from rlhforge.tracking.progress import Progress, progress_enabled
 
 STATS_SAMPLES_WITHOUT_EVAL = 1024
-
-
-def pair_mean_share(loss_sum: torch.Tensor, global_pairs: float, dp_size: int) -> torch.Tensor:
-    """This micro-batch's share of the step's mean pair loss: ``loss_sum * dp_size / global_pairs``
-    (the aggregation contract of :mod:`rlhforge.algorithms.aggregation`, each pair one sequence)."""
-    one = torch.ones(1, 1, dtype=torch.bool, device=loss_sum.device)
-    return aggregate_seq_mean_token_sum(loss_sum.reshape(1, 1), one, global_seqs=global_pairs, dp_size=dp_size)
 
 
 @dataclass
