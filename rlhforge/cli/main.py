@@ -12,6 +12,7 @@ COMMANDS = {
     "rm": ("rlhforge.cli.train_rm", "pairwise reward model (= python -m rlhforge.cli.train_rm)"),
     "dpo": ("rlhforge.cli.train_dpo", "DPO / cDPO / IPO (= python -m rlhforge.cli.train_dpo)"),
     "serve-rm": ("rlhforge.cli.serve_rm", "HTTP reward server over a reward model (= python -m rlhforge.cli.serve_rm)"),
+    "serve-tinker": ("rlhforge.cli.serve_tinker", "Tinker-compatible training server for the tinker SDK (docs/tinker.md)"),
     "serve-sandbox": ("rlhforge.cli.serve_sandbox", "HTTP code sandbox for tool calls (= python -m rlhforge.cli.serve_sandbox)"),
     "tiny-model": ("rlhforge.cli.tiny_model", "write a tiny model (--arch llama, qwen3, phi3, qwen3_moe, ...) + local BPE tokenizer to a folder"),
     "merge-lora": ("rlhforge.cli.lora_combiner", "merge a LoRA adapter into its base model"),

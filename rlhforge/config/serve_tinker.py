@@ -1,0 +1,95 @@
+"""Configuration of ``rlhforge serve-tinker``: a local server for the ``tinker`` SDK (Thinking Machines'
+training API). See docs/tinker.md.
+
+The SDK talks to it with only ``TINKER_BASE_URL=http://127.0.0.1:PORT`` and ``TINKER_API_KEY=tml-...`` set.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from rlhforge.config.parsing import ConfigError
+
+KEY_ENV = "RLHFORGE_TINKER_API_KEY"
+SDK_KEY_ENV = "TINKER_API_KEY"
+_NAME = re.compile(r"^[^=\s]+$")
+
+
+@dataclass(frozen=True)
+class ServeTinkerConfig:
+    """Serve the Tinker training API (``tinker`` SDK 0.38) over rlhforge's models, strategies and engines:
+    LoRA training with ``forward_backward`` / ``optim_step`` (AdamW), checkpoints on disk, sampling with
+    token log-probs. Base models are local folders (or names mapped to them with ``--model_map``)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind (loopback by default; ``0.0.0.0`` exposes the server: keep the API key secret)."""
+    port: int = 8000
+    """TCP port."""
+    api_key: tuple[str, ...] = ()
+    """Accepted API keys, in the SDK's form (``tml-`` followed by anything). Default: the
+    ``RLHFORGE_TINKER_API_KEY`` environment variable (comma-separated), else ``TINKER_API_KEY`` (the SDK's own
+    variable, so one export serves both), else a random key printed at start-up. Requests without an accepted
+    ``X-API-Key`` get HTTP 401 (``/api/v1/healthz`` excepted)."""
+    model_map: tuple[str, ...] = ()
+    """``NAME=FOLDER`` entries: a ``base_model`` name the client sends (``Qwen/Qwen3-8B``) -> a local HF folder.
+    A ``base_model`` that is an existing folder needs no entry."""
+    checkpoint_dir: str = "./tinker_checkpoints"
+    """Where ``save_weights`` / ``save_weights_for_sampler`` write (``tinker://RUN/weights/NAME`` ->
+    ``CHECKPOINT_DIR/RUN/weights/NAME``); checkpoints survive a restart of the server."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Training and sampling device (``auto``: CUDA when present)."""
+    param_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Training precision (fp32 master weights; ``auto``: bf16 on GPU, fp32 on CPU)."""
+    lora_alpha: int = 32
+    """LoRA alpha of every model (the SDK sends only the rank)."""
+    default_max_tokens: int = 256
+    """``max_tokens`` of a sample request that gives none."""
+    max_request_bytes: int = 256 * 2**20
+    """Largest request body (bytes, after zstd decompression); a longer one gets HTTP 413."""
+    retrieve_wait_s: float = 20.0
+    """``retrieve_future`` long-polls up to this long before answering ``try_again`` (the SDK polls again at once)."""
+    seq_gap_timeout_s: float = 120.0
+    """A model's requests run in ``seq_id`` order; a request waiting this long for a missing earlier ``seq_id``
+    runs anyway (logged), so a lost request never blocks a model forever."""
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
+    """uvicorn log level."""
+
+    @property
+    def resolved_api_keys(self) -> tuple[str, ...]:
+        if self.api_key:
+            return tuple(self.api_key)
+        env = os.environ.get(KEY_ENV) or os.environ.get(SDK_KEY_ENV) or ""
+        return tuple(k.strip() for k in env.split(",") if k.strip())
+
+    @property
+    def model_table(self) -> dict[str, str]:
+        return dict(entry.split("=", 1) for entry in self.model_map)
+
+    def validate(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535 (got {self.port})")
+        for key in self.resolved_api_keys:
+            if not key.startswith("tml-") or len(key) < 8:
+                raise ConfigError(f"--api_key: keys must have the SDK's form 'tml-' + at least 4 characters "
+                                  f"(got {key[:4]!r}...); the tinker SDK refuses other keys")
+        for entry in self.model_map:
+            name, sep, folder = entry.partition("=")
+            if not sep or not _NAME.match(name) or not folder:
+                raise ConfigError(f"--model_map: expected NAME=FOLDER (got {entry!r})")
+            if not Path(folder).expanduser().is_dir():
+                raise ConfigError(f"--model_map: {name}={folder}: folder not found")
+        if self.lora_alpha < 1:
+            raise ConfigError(f"--lora_alpha must be >= 1 (got {self.lora_alpha})")
+        if self.default_max_tokens < 1:
+            raise ConfigError(f"--default_max_tokens must be >= 1 (got {self.default_max_tokens})")
+        if self.max_request_bytes < 1024:
+            raise ConfigError(f"--max_request_bytes must be >= 1024 (got {self.max_request_bytes})")
+        if not 0 < self.retrieve_wait_s <= 40:
+            raise ConfigError(f"--retrieve_wait_s must be in (0, 40] (the SDK times a poll out at 45 s; got "
+                              f"{self.retrieve_wait_s})")
+        if self.seq_gap_timeout_s <= 0:
+            raise ConfigError(f"--seq_gap_timeout_s must be > 0 (got {self.seq_gap_timeout_s})")

@@ -1,0 +1,45 @@
+"""Start-up of ``rlhforge serve-tinker``: the SDK check, the API keys, uvicorn."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+
+__all__ = ["serve", "check_sdk", "resolve_keys"]
+
+
+def check_sdk() -> None:
+    """The protobuf schema comes from the SDK itself; say how to get it if it is missing."""
+    from rlhforge.config.parsing import ConfigError
+
+    try:
+        from tinker.proto import tinker_public_pb2  # noqa: F401
+        import zstandard  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"serve-tinker needs the tinker SDK's wire schema: pip install tinker==0.38.0 ({err})") from None
+
+
+def resolve_keys(cfg) -> tuple[tuple[str, ...], bool]:
+    """The accepted keys, and whether one was generated (no --api_key / environment key)."""
+    keys = cfg.resolved_api_keys
+    if keys:
+        return keys, False
+    return (f"tml-{secrets.token_urlsafe(24)}",), True
+
+
+def serve(cfg) -> None:
+    import uvicorn
+
+    from rlhforge.tinker_server.app import create_app
+
+    check_sdk()
+    keys, generated = resolve_keys(cfg)
+    app = create_app(cfg, keys)
+    base = f"http://{cfg.host}:{cfg.port}"
+    print(f"rlhforge serve-tinker on {base} (checkpoints in {cfg.checkpoint_dir})", flush=True)
+    if generated:
+        print(f"  no --api_key given: generated one for this run\n  export TINKER_BASE_URL={base} "
+              f"TINKER_API_KEY={keys[0]}", flush=True)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"  listening on {cfg.host}: anyone who can reach it and holds the key can train here", file=sys.stderr)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)

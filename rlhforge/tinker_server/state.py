@@ -1,0 +1,231 @@
+"""Server state: sessions, training models, samplers, futures, and the one worker thread every model
+computation runs on (CPU or one GPU: one computation at a time, in submission order).
+
+**Futures.** Every long call answers at once with ``{"request_id": ...}``; ``retrieve_future`` long-polls the
+result (``try_again`` after ``--retrieve_wait_s``), a failure comes back as ``{"error", "category"}`` with
+category ``user`` (the request was wrong) or ``server``.
+
+**Order.** The requests of one training model carry ``seq_id`` 1, 2, 3, ... (the SDK reserves them in call
+order, but sends chunks of one ``forward_backward`` concurrently and the first chunk last). A request is only
+handed to the worker once every lower ``seq_id`` of its model has been; a ``seq_id`` seen twice (an SDK retry)
+gets the first request's future back. A gap that outlasts ``--seq_gap_timeout_s`` is skipped (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from rlhforge.tinker_server.codec import PayloadError
+
+log = logging.getLogger("rlhforge.tinker_server")
+
+__all__ = ["ServerState", "FutureRecord", "ModelEntry", "SamplerEntry", "checkpoint_dir_of"]
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+\-]{0,200}$")
+KINDS = {"weights": "weights", "sampler_weights": "sampler_weights"}
+FUTURE_TTL_S = 3600.0
+
+
+@dataclass
+class FutureRecord:
+    request_id: str
+    kind: str
+    """``json`` (result: a dict), ``fwdbwd`` (outputs, metrics), ``sample`` (sequences, prompt log-probs)."""
+    done: asyncio.Event
+    result: Any = None
+    error: tuple[str, str] | None = None
+    finished_at: float | None = None
+
+
+@dataclass
+class ModelEntry:
+    model_id: str
+    base_model: str
+    base_dir: str
+    lora: Any
+    trained: Any = None
+    next_seq: int = 1
+    waiting: dict[int, tuple[FutureRecord, Callable[[], Any]]] = field(default_factory=dict)
+    seen: dict[int, str] = field(default_factory=dict)
+    creation: str | None = None
+    blocked_since: float | None = None
+
+
+@dataclass
+class SamplerEntry:
+    sampler_id: str
+    base_model: str
+    base_dir: str
+    model_path: str | None = None
+    adapter_dir: Path | None = None
+    sampler: Any = None
+
+
+def checkpoint_dir_of(root: Path, tinker_path: str, field_name: str = "path") -> tuple[Path, str, str]:
+    """``tinker://RUN/KIND/NAME`` -> (``root/RUN/KIND/NAME``, RUN, KIND); PayloadError naming ``field_name``."""
+    if not isinstance(tinker_path, str) or not tinker_path.startswith("tinker://"):
+        raise PayloadError(field_name, f"must be a tinker://RUN/weights/NAME path (got {tinker_path!r})")
+    parts = tinker_path[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in KINDS or not all(_SEGMENT.match(p) and p not in (".", "..") for p in parts):
+        raise PayloadError(field_name, f"must be tinker://RUN/weights/NAME or tinker://RUN/sampler_weights/NAME "
+                                       f"(got {tinker_path!r})")
+    return root.joinpath(*parts), parts[0], parts[1]
+
+
+def check_name(name: str, field_name: str = "path") -> str:
+    if not _SEGMENT.match(name or "") or name in (".", ".."):
+        raise PayloadError(field_name, f"checkpoint names are letters, digits and ._:@+- (got {name!r})")
+    return name
+
+
+class ServerState:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.root = Path(cfg.checkpoint_dir).expanduser().resolve()
+        self.sessions: dict[str, dict] = {}
+        self.models: dict[str, ModelEntry] = {}
+        self.samplers: dict[str, SamplerEntry] = {}
+        self.futures: dict[str, FutureRecord] = {}
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-compute")
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._device = None
+
+    @property
+    def device(self):
+        if self._device is None:
+            from rlhforge.backend.device import resolve_device
+
+            self._device = resolve_device(self.cfg.device, 0)
+        return self._device
+
+    # -- base models ------------------------------------------------------------------------------------
+    def resolve_base(self, name: str, field_name: str = "base_model") -> str:
+        table = self.cfg.model_table
+        if name in table:
+            return str(Path(table[name]).expanduser().resolve())
+        path = Path(name).expanduser()
+        if path.is_dir() and (path / "config.json").is_file():
+            return str(path.resolve())
+        known = ", ".join(sorted(table)) or "none"
+        raise PayloadError(field_name, f"{name!r} is neither a local model folder nor a --model_map name "
+                                       f"(mapped: {known})")
+
+    # -- futures ----------------------------------------------------------------------------------------
+    def new_future(self, kind: str) -> FutureRecord:
+        self._purge()
+        rec = FutureRecord(request_id=f"req-{uuid.uuid4().hex}", kind=kind, done=asyncio.Event())
+        self.futures[rec.request_id] = rec
+        return rec
+
+    def _purge(self) -> None:
+        now = time.monotonic()
+        old = [k for k, r in self.futures.items() if r.finished_at is not None and now - r.finished_at > FUTURE_TTL_S]
+        for k in old:
+            del self.futures[k]
+
+    def _finish(self, rec: FutureRecord) -> None:
+        rec.finished_at = time.monotonic()
+        rec.done.set()
+
+    def run(self, rec: FutureRecord, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the worker thread; its return value (or error) completes ``rec``."""
+        loop = self.loop
+
+        def job():
+            try:
+                rec.result = fn()
+            except PayloadError as err:
+                rec.error = (str(err), "user")
+            except Exception as err:  # noqa: BLE001 - reported to the client as a server error
+                log.error("request %s failed:\n%s", rec.request_id, traceback.format_exc())
+                rec.error = (f"{type(err).__name__}: {err}", "server")
+            loop.call_soon_threadsafe(self._finish, rec)
+
+        self.executor.submit(job)
+
+    def submit(self, kind: str, fn: Callable[[], Any]) -> FutureRecord:
+        rec = self.new_future(kind)
+        self.run(rec, fn)
+        return rec
+
+    def submit_ordered(self, entry: ModelEntry, seq_id: int, kind: str, fn: Callable[[], Any]) -> FutureRecord:
+        """Queue ``fn`` as request ``seq_id`` of ``entry``'s model (module docstring)."""
+        if seq_id in entry.seen:
+            return self.futures.get(entry.seen[seq_id]) or self._gone(seq_id)
+        if seq_id < entry.next_seq:
+            raise PayloadError("seq_id", f"{seq_id} of model {entry.model_id} already ran (next: {entry.next_seq})")
+        rec = self.new_future(kind)
+        entry.waiting[seq_id] = (rec, fn)
+        entry.seen[seq_id] = rec.request_id
+        if len(entry.seen) > 4096:
+            for k in sorted(entry.seen)[:2048]:
+                del entry.seen[k]
+        self._drain(entry)
+        return rec
+
+    def _gone(self, seq_id: int):
+        raise PayloadError("seq_id", f"{seq_id} already ran and its result has expired", status=410)
+
+    def _drain(self, entry: ModelEntry) -> None:
+        while entry.next_seq in entry.waiting:
+            rec, fn = entry.waiting.pop(entry.next_seq)
+            entry.next_seq += 1
+            self.run(rec, fn)
+        if entry.waiting:
+            if entry.blocked_since is None:
+                entry.blocked_since = time.monotonic()
+                self.loop.call_later(self.cfg.seq_gap_timeout_s, self._check_gap, entry)
+        else:
+            entry.blocked_since = None
+
+    def _check_gap(self, entry: ModelEntry) -> None:
+        if entry.blocked_since is None or not entry.waiting:
+            return
+        if time.monotonic() - entry.blocked_since >= self.cfg.seq_gap_timeout_s - 1e-3:
+            first = min(entry.waiting)
+            log.warning("model %s: seq_id %d..%d never arrived in %.0f s; running seq_id %d", entry.model_id,
+                        entry.next_seq, first - 1, self.cfg.seq_gap_timeout_s, first)
+            entry.next_seq = first
+            entry.blocked_since = None
+            self._drain(entry)
+
+    async def wait(self, request_id: str, timeout: float) -> FutureRecord:
+        rec = self.futures.get(request_id)
+        if rec is None:
+            raise PayloadError("request_id", f"unknown or expired request {request_id!r}", status=404)
+        if not rec.done.is_set():
+            try:
+                await asyncio.wait_for(rec.done.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return rec
+
+    # -- lookups ------------------------------------------------------------------------------------------
+    def model(self, model_id: str | None, field_name: str = "model_id") -> ModelEntry:
+        entry = self.models.get(model_id or "")
+        if entry is None:
+            raise PayloadError(field_name, f"unknown model {model_id!r} (create it with create_model, or load a "
+                                           f"checkpoint with create_training_client_from_state)", status=404)
+        return entry
+
+    def session(self, session_id: str, field_name: str = "session_id") -> dict:
+        sess = self.sessions.get(session_id)
+        if sess is None:  # e.g. a session from before a server restart: adopt it
+            sess = self.sessions[session_id] = {"finished": False, "created": time.time()}
+        if sess["finished"]:
+            raise PayloadError(field_name, f"session {session_id} is finished", status=410)
+        return sess
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
