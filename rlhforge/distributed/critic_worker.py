@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from rlhforge.algorithms import aggregate_loss, value_loss
+from rlhforge.algorithms import value_loss
 from rlhforge.backend.device import seed_everything
-from rlhforge.distributed.experience import collate_experience
+from rlhforge.backend.step import StepNormaliser, run_no_grad, run_step, step_normaliser
 from rlhforge.distributed.micro_batches import micro_batch_groups
-from rlhforge.distributed.worker_base import TrainableWorker, per_sample, plan_for, reduce_step_metrics, to_device
+from rlhforge.distributed.worker_base import TrainableWorker, per_sample, plan_for, reduce_step_metrics, scatter
 from rlhforge.models.forward import is_packed
 
 __all__ = ["CriticWorker", "token_values"]
@@ -70,43 +70,38 @@ class CriticWorker(TrainableWorker):
         self.train_tokens, self.pass_tokens = cfg.token_budgets()
         self.path = path
 
-    @torch.no_grad()
     def values(self, samples, micro_batch_size: int) -> list[torch.Tensor]:
-        self.strategy.eval()
-        out: list = [None] * len(samples)
-        for idx in micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
-                                      self.strategy.all_reduce):
+        groups = micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
+                                    self.strategy.all_reduce)
+
+        def values_of(idx):
             chunk = [samples[i] for i in idx]
-            batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=()), self.device)
-            with self.strategy.autocast():
-                v = token_values(self.model, batch, self.prefix)
-            for i, row in zip(idx, per_sample(v, batch, chunk)):
-                out[i] = row
-        self.strategy.train()
-        return out
+            batch = self._batch(chunk, fields=())
+            return per_sample(token_values(self.model, batch, self.prefix), batch, chunk)
+
+        return scatter(groups, run_no_grad(self.strategy, groups, values_of), len(samples))
+
+    def _loss(self, chunk, norm: StepNormaliser, value_clip: float | None):
+        """The clipped value loss of a micro-batch (its share of the step's token mean) and its totals."""
+        batch = self._batch(chunk)
+        mask = batch["loss_mask"]
+        values = token_values(self.model, batch, self.prefix)
+        tok_loss, metrics = value_loss(values, batch["values"], batch["returns"], mask, value_clip=value_clip)
+        loss = norm.aggregate(tok_loss, mask)
+        weight = float(mask.sum()) / max(norm.tokens, 1.0)  # token share of this micro-batch
+        return loss, {"value_loss": loss, "clip_frac": float(metrics["clip_frac"]) * weight,
+                      "values_mean": float(metrics["values_mean"]) * weight}
 
     def train_step(self, samples, value_clip: float | None) -> dict[str, float]:
         strategy = self.strategy
-        local_tokens = sum(sum(s.loss_mask) for s in samples)
-        global_tokens = float(strategy.all_reduce(torch.tensor(float(local_tokens)), op="sum"))
-        losses = {"value_loss": 0.0}  # dp-scaled (aggregate_loss): mean over ranks
-        weighted = {"clip_frac": 0.0, "values_mean": 0.0}  # token-share weighted: sum over ranks
+        norm = step_normaliser(strategy, tokens=sum(sum(s.loss_mask) for s in samples))
         groups = [[samples[i] for i in idx] for idx in micro_batch_groups(
             [len(s) for s in samples], self.cfg.train.micro_batch_size, self.train_tokens, strategy.all_reduce)]
-        for k, chunk in enumerate(groups):
-            batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed), self.device)
-            mask = batch["loss_mask"]
-            with strategy.autocast():
-                values = token_values(self.model, batch, self.prefix)
-            tok_loss, metrics = value_loss(values, batch["values"], batch["returns"], mask, value_clip=value_clip)
-            loss = aggregate_loss(tok_loss, mask, "token_mean", global_tokens=global_tokens, dp_size=strategy.world_size)
-            strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
-            weight = float(mask.sum()) / max(global_tokens, 1.0)
-            losses["value_loss"] += float(loss.detach())
-            weighted["clip_frac"] += float(metrics["clip_frac"]) * weight
-            weighted["values_mean"] += float(metrics["values_mean"]) * weight
-        stats = strategy.step()
-        out = reduce_step_metrics(losses, weighted, strategy.all_reduce, strategy.world_size)
-        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"], skipped=stats.get("skipped", 0.0))  # 1: not finite
-        out["micro_batches"] = float(len(groups))  # forward/backward passes of this step on each rank
+        step = run_step(strategy, groups, lambda mb, n: self._loss(mb, n, value_clip), norm, reduce=False)
+        t = step.totals  # value_loss: dp-scaled (mean over ranks); the others token-share weighted (sum)
+        out = reduce_step_metrics({"value_loss": t.get("value_loss", 0.0)},
+                                  {k: t.get(k, 0.0) for k in ("clip_frac", "values_mean")},
+                                  strategy.all_reduce, norm.dp_size)
+        out.update(grad_norm=step.stats["grad_norm"], lr=step.stats["lr"], skipped=step.stats.get("skipped", 0.0))
+        out["micro_batches"] = float(step.micro_batches)  # forward/backward passes of this step on each rank
         return out

@@ -11,10 +11,10 @@ import torch
 
 from rlhforge.algorithms import entropy_from_logits
 from rlhforge.config.batching import BatchPlan
-from rlhforge.distributed.experience import ExperienceSample, split_packed, unpad_rows
+from rlhforge.distributed.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
 from rlhforge.models.forward import is_packed
 
-__all__ = ["TrainableWorker", "to_device", "per_sample", "shifted_entropy", "plan_for", "reduce_step_metrics"]
+__all__ = ["TrainableWorker", "to_device", "per_sample", "shifted_entropy", "scatter", "plan_for", "reduce_step_metrics"]
 
 
 class TrainableWorker:
@@ -30,6 +30,10 @@ class TrainableWorker:
     ema: Any = None
     """``--train.enable_ema`` (actor): a ``backend.ema.ParamEMA``; HF exports write the EMA weights and
     resume states hold it (weight sync and training use the live weights)."""
+
+    def _batch(self, chunk, **kw) -> dict:
+        """A micro-batch of experience samples, collated (:func:`collate_experience`) on this worker's device."""
+        return to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, **kw), self.device)
 
     def save_state(self, directory) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -82,6 +86,15 @@ def per_sample(x: torch.Tensor, batch: dict, samples: Sequence[ExperienceSample]
     if is_packed(batch):
         return [t.clone() for t in split_packed(x, batch["seq_lens"])]
     return unpad_rows(x, [len(s) for s in samples])
+
+
+def scatter(groups: Sequence[Sequence[int]], results: Sequence[Sequence[Any]], n: int) -> list:
+    """Per-micro-batch results (one per index of each group) -> one list of ``n`` in sample order."""
+    out: list = [None] * n
+    for idx, rows in zip(groups, results):
+        for i, row in zip(idx, rows):
+            out[i] = row
+    return out
 
 
 def shifted_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:

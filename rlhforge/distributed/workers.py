@@ -27,9 +27,10 @@ from typing import Sequence
 
 import torch
 
-from rlhforge.algorithms import aggregate_loss, entropy_bonus, get_policy_loss, kl_loss
+from rlhforge.algorithms import entropy_bonus, get_policy_loss, kl_loss
 from rlhforge.algorithms.kl import kl_loss_unbiased_gradient
 from rlhforge.backend.device import seed_everything
+from rlhforge.backend.step import StepNormaliser, run_no_grad, run_step, step_normaliser
 from rlhforge.distributed.critic_worker import CriticWorker, token_values
 from rlhforge.distributed.experience import ExperienceSample, collate_experience
 from rlhforge.distributed.groups import InProcessGroup
@@ -39,6 +40,7 @@ from rlhforge.distributed.worker_base import (
     per_sample,
     plan_for,
     reduce_step_metrics,
+    scatter,
     shifted_entropy,
     to_device,
 )
@@ -145,102 +147,84 @@ class ActorWorker(TrainableWorker):
         return token_logprobs(self.model, batch, temperature, return_entropy=return_entropy, entropy_grad=entropy_grad,
                               share_prefixes=True, **kwargs)
 
+    def _experience(self, chunk, **kw) -> dict:
+        return self._batch(chunk, routing=self.routing_replay, image_token_id=self.image_token_id, **kw)
+
     # -- inference --------------------------------------------------------------------------------
-    @torch.no_grad()
     def logprobs(self, samples: Sequence[ExperienceSample], micro_batch_size: int, temperature: float
                  ) -> list[torch.Tensor]:
-        self.strategy.eval()
-        out: list = [None] * len(samples)
-        for idx in micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
-                                      self.strategy.all_reduce):
+        groups = micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
+                                    self.strategy.all_reduce)
+
+        def logprobs_of(idx):
             chunk = [samples[i] for i in idx]
-            batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
-                                                 routing=self.routing_replay, image_token_id=self.image_token_id),
-                              self.device)
-            with self.strategy.autocast():
-                lp = self._token_logprobs(batch, temperature)
-            for i, row in zip(idx, per_sample(lp, batch, chunk)):
-                out[i] = row
-        self.strategy.train()
-        return out
+            batch = self._experience(chunk, fields=())
+            return per_sample(self._token_logprobs(batch, temperature), batch, chunk)
+
+        return scatter(groups, run_no_grad(self.strategy, groups, logprobs_of), len(samples))
 
     # -- one optimizer step -----------------------------------------------------------------------
+    def _loss(self, chunk, norm: StepNormaliser, spec: PolicyLossSpec, passes: int):
+        """One micro-batch's share of the step's policy loss (+ entropy bonus, KL loss, MoE balancing loss)
+        and its totals: the loss terms dp-scaled, the rest token-share weighted (:func:`reduce_step_metrics`)."""
+        batch = self._experience(chunk)
+        logp, entropy, *aux = self._token_logprobs(batch, spec.temperature, return_entropy=True,
+                                                   entropy_grad=bool(spec.entropy_coef),
+                                                   return_aux_loss=bool(self.aux_loss_coef))
+        if self.packed:  # one row per sample: sequence-level terms (seq-mean modes, GSPO) need samples
+            batch, logp, entropy = packed_as_rows(batch, logp, entropy)
+        mask = batch["loss_mask"]
+        gap_metrics = {}
+        if spec.use_rollout_logprobs_as_old:
+            old = batch["rollout_logprobs"]
+        elif spec.old_from_this_forward:
+            old = logp.detach()
+            gap, tokens = (batch["rollout_logprobs"] - old) * mask, mask.sum().clamp_min(1)
+            gap_metrics = {"logprob_diff_rollout_vs_train": gap.abs().sum() / tokens, "vllm_kl": gap.sum() / tokens}
+        else:
+            old = batch["old_logprobs"]
+        tok_loss, metrics = get_policy_loss(spec.loss_type)(logp, old, batch["advantages"], mask,
+                                                            is_weights=batch["is_weights"], **spec.loss_kwargs)
+        policy_loss = norm.aggregate(tok_loss, mask, spec.agg_mode)
+        loss, totals = policy_loss, {"policy_loss": float(policy_loss.detach())}
+        if spec.entropy_coef:
+            loss = loss + norm.aggregate(entropy_bonus(entropy, mask, spec.entropy_coef), mask, spec.agg_mode)
+        if spec.kl_loss_coef > 0:
+            if spec.kl_unbiased_gradient:
+                kl_tok = kl_loss_unbiased_gradient(logp, batch["ref_logprobs"], mask, spec.kl_estimator, old)
+            else:
+                kl_tok = kl_loss(logp, batch["ref_logprobs"], mask, spec.kl_estimator)
+            kl_term = norm.aggregate(kl_tok, mask, spec.agg_mode)
+            loss = loss + spec.kl_loss_coef * kl_term
+            totals["kl_loss"] = float(kl_term.detach())
+        if aux:  # as OpenRLHF: coef x the micro-batch's balancing loss; the step's mean over micro-batches
+            loss = loss + self.aux_loss_coef * aux[0] / passes
+            totals["aux_loss"] = float(aux[0].detach()) / passes
+        weight = float(mask.sum()) / max(norm.tokens, 1.0)  # token share of this micro-batch
+        totals["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp_min(1)) * weight
+        for name, value in {**gap_metrics, **metrics}.items():
+            totals[name] = float(value) * weight
+        return loss, totals
+
     def train_step(self, samples: Sequence[ExperienceSample], spec: PolicyLossSpec) -> dict[str, float]:
         strategy = self.strategy
-        loss_fn = get_policy_loss(spec.loss_type)
-        local_tokens = sum(sum(s.loss_mask) for s in samples)
-        local_seqs = sum(1 for s in samples if any(s.loss_mask))
-        counts = strategy.all_reduce(torch.tensor([float(local_tokens), float(local_seqs)]), op="sum")
-        # ring attention / AutoTP: the ranks of a ring or tensor-parallel group hold the same samples, so the
-        # sum counts each `copies` times. Ring: dp stays the world size (each rank's loss is scaled as if
-        # alone, the ring's gradients add up); AutoTP: DeepSpeed averages gradients over world / tp ranks
-        tp = getattr(strategy, "tp_size", 1)
-        copies = self.ring_size * tp
-        global_tokens, global_seqs = float(counts[0]) / copies, float(counts[1]) / copies
-        dp = strategy.world_size // tp
-        agg = dict(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp, norm_constant=spec.norm_constant)
-        losses: dict[str, float] = {"policy_loss": 0.0}  # dp-scaled (aggregate_loss): mean over ranks
-        weighted: dict[str, float] = {"entropy": 0.0}  # token-share weighted: sum over ranks
-        if spec.kl_loss_coef > 0:
-            losses["kl_loss"] = 0.0
-        if self.aux_loss_coef:
-            losses["aux_loss"] = 0.0
+        # ring attention / AutoTP: the ranks of a ring or tensor-parallel group hold the same samples (copies)
+        norm = step_normaliser(strategy, tokens=sum(sum(s.loss_mask) for s in samples),
+                               seqs=sum(1 for s in samples if any(s.loss_mask)), ring_size=self.ring_size,
+                               norm_constant=spec.norm_constant)
         groups = [[samples[i] for i in idx] for idx in micro_batch_groups(
             [len(s) for s in samples], self.cfg.train.micro_batch_size, self.train_tokens, strategy.all_reduce)]
-        for k, chunk in enumerate(groups):
-            batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed,
-                                                 routing=self.routing_replay, image_token_id=self.image_token_id),
-                              self.device)
-            with strategy.autocast():
-                logp, entropy, *aux = self._token_logprobs(batch, spec.temperature, return_entropy=True,
-                                                           entropy_grad=bool(spec.entropy_coef),
-                                                           return_aux_loss=bool(self.aux_loss_coef))
-            if self.packed:  # one row per sample: sequence-level terms (seq-mean modes, GSPO) need samples
-                batch, logp, entropy = packed_as_rows(batch, logp, entropy)
-            mask = batch["loss_mask"]
-            gap_metrics = {}
-            if spec.use_rollout_logprobs_as_old:
-                old = batch["rollout_logprobs"]
-            elif spec.old_from_this_forward:
-                old = logp.detach()
-                gap, tokens = (batch["rollout_logprobs"] - old) * mask, mask.sum().clamp_min(1)
-                gap_metrics = {"logprob_diff_rollout_vs_train": gap.abs().sum() / tokens, "vllm_kl": gap.sum() / tokens}
-            else:
-                old = batch["old_logprobs"]
-            tok_loss, metrics = loss_fn(logp, old, batch["advantages"], mask, is_weights=batch["is_weights"],
-                                        **spec.loss_kwargs)
-            metrics = {**gap_metrics, **metrics}
-            policy_loss = aggregate_loss(tok_loss, mask, spec.agg_mode, **agg)
-            loss = policy_loss
-            if spec.entropy_coef:
-                loss = loss + aggregate_loss(entropy_bonus(entropy, mask, spec.entropy_coef), mask, spec.agg_mode, **agg)
-            if spec.kl_loss_coef > 0:
-                if spec.kl_unbiased_gradient:
-                    kl_tok = kl_loss_unbiased_gradient(logp, batch["ref_logprobs"], mask, spec.kl_estimator, old)
-                else:
-                    kl_tok = kl_loss(logp, batch["ref_logprobs"], mask, spec.kl_estimator)
-                kl_term = aggregate_loss(kl_tok, mask, spec.agg_mode, **agg)
-                loss = loss + spec.kl_loss_coef * kl_term
-                losses["kl_loss"] += float(kl_term.detach())
-            if aux:  # as OpenRLHF: coef x the micro-batch's balancing loss; the step's mean over micro-batches
-                loss = loss + self.aux_loss_coef * aux[0] / len(groups)
-                losses["aux_loss"] += float(aux[0].detach()) / len(groups)
-            strategy.backward(loss, is_last_micro_batch=k == len(groups) - 1)
-            weight = float(mask.sum()) / max(global_tokens, 1.0)  # token share of this micro-batch
-            losses["policy_loss"] += float(policy_loss.detach())
-            ent_mean = float((entropy.detach() * mask).sum() / mask.sum().clamp_min(1))
-            weighted["entropy"] += ent_mean * weight
-            for name, value in metrics.items():
-                weighted[name] = weighted.get(name, 0.0) + float(value) * weight
-        stats = strategy.step()
-        if self.ema is not None and not stats.get("skipped"):
+        step = run_step(strategy, groups, lambda mb, n: self._loss(mb, n, spec, len(groups)), norm, reduce=False)
+        if self.ema is not None and not step.skipped:
             self.ema.update()  # once per applied optimizer step
-        # every rank of a ring / AutoTP group holds the same samples: the world sum has `copies` of each
-        out = reduce_step_metrics(losses, weighted, strategy.all_reduce, dp)
-        for name in (*losses, *weighted):
-            out[name] /= copies
-        out.update(grad_norm=stats["grad_norm"], lr=stats["lr"], skipped=stats.get("skipped", 0.0))  # 1: not finite
-        out["micro_batches"] = float(len(groups))  # forward/backward passes of this step on each rank
+        dp_keys = ["policy_loss"] + ["kl_loss"] * (spec.kl_loss_coef > 0) + ["aux_loss"] * bool(self.aux_loss_coef)
+        losses = {k: step.totals.get(k, 0.0) for k in dp_keys}  # dp-scaled (aggregate_loss): mean over ranks
+        weighted = {"entropy": 0.0, **{k: v for k, v in step.totals.items() if k not in losses}}  # token-share: sum
+        out = reduce_step_metrics(losses, weighted, strategy.all_reduce, norm.dp_size)
+        for name in (*losses, *weighted):  # every rank of a ring / AutoTP group holds the same samples
+            out[name] /= norm.copies
+        out.update(grad_norm=step.stats["grad_norm"], lr=step.stats["lr"], skipped=step.stats.get("skipped", 0.0))
+        out["micro_batches"] = float(step.micro_batches)  # forward/backward passes of this step on each rank
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
