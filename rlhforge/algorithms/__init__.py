@@ -21,7 +21,6 @@ Variants are chosen by name from flat tables (``ADVANTAGE_ESTIMATORS``, ``KL_EST
 
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
-    GAMMA_ONE_ESTIMATORS,
     WHITEN_BY_DEFAULT,
     assemble_token_rewards,
     batch_mean_baseline,
@@ -99,7 +98,7 @@ from .value_losses import value_loss
 
 __all__ = [
     # advantages
-    "ADVANTAGE_ESTIMATORS", "GAMMA_ONE_ESTIMATORS", "WHITEN_BY_DEFAULT", "assemble_token_rewards",
+    "ADVANTAGE_ESTIMATORS", "WHITEN_BY_DEFAULT", "assemble_token_rewards",
     "batch_mean_baseline",
     "compute_advantages", "discounted_returns", "dr_grpo", "gae", "get_advantage_estimator",
     "group_norm", "last_action_index", "reinforce_baseline", "rloo", "whiten",

@@ -51,7 +51,6 @@ __all__ = [
     "last_action_index",
     "ADVANTAGE_ESTIMATORS",
     "WHITEN_BY_DEFAULT",
-    "GAMMA_ONE_ESTIMATORS",
     "get_advantage_estimator",
     "compute_advantages",
 ]
@@ -253,12 +252,6 @@ WHITEN_BY_DEFAULT: dict[str, bool] = {
     "dr_grpo": False,
     "flash_reinforce": False,
 }
-
-
-#: Estimators OpenRLHF runs with gamma = 1 whatever ``--algo.advantage.gamma`` says (it warns and
-#: resets it): their baseline compares whole-sequence rewards. The functions here still take
-#: ``gamma``; the trainer forces it.
-GAMMA_ONE_ESTIMATORS: tuple[str, ...] = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce")
 
 
 def _finish(name, adv, ret, mask, whiten_flag, whiten_std):

@@ -6,7 +6,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["AdvantageConfig", "KLConfig", "AlgoConfig"]
+__all__ = ["EstimatorRecord", "ESTIMATORS", "estimator_record", "AdvantageConfig", "KLConfig", "AlgoConfig"]
+
+
+@dataclass(frozen=True)
+class EstimatorRecord:
+    """What one advantage estimator needs from the rest of the system; consumers read this record (the
+    math itself is :data:`rlhforge.algorithms.advantages.ADVANTAGE_ESTIMATORS`, by the same name)."""
+
+    name: str
+    critic: bool = False
+    """Needs a value model: the critic worker group is built and its values feed GAE."""
+    groups: bool = False
+    """Compares the ``rollout.n_samples_per_prompt`` samples of one prompt (needs n > 1)."""
+    gamma_one: bool = False
+    """Its baseline compares whole-sequence rewards: gamma is forced to 1 (with a warning, as OpenRLHF)."""
+    old_logprobs: Literal["trainer", "rollout"] = "trainer"
+    """pi_old of the policy ratio: the trainer's log-probs of the rollout, or the rollout engine's own."""
+    policy_loss: str | None = None
+    """A policy loss the estimator comes with (None: ``--actor.policy_loss_type``)."""
+    loss_agg_mode: str | None = None
+    """A loss aggregation the estimator comes with (None: ``--actor.loss_agg_mode``)."""
+
+
+ESTIMATORS: dict[str, EstimatorRecord] = {r.name: r for r in (
+    EstimatorRecord("gae", critic=True),
+    EstimatorRecord("reinforce"),
+    EstimatorRecord("reinforce_baseline", groups=True, gamma_one=True),
+    EstimatorRecord("rloo", groups=True, gamma_one=True),
+    EstimatorRecord("group_norm", groups=True, gamma_one=True),
+    EstimatorRecord("dr_grpo", groups=True, gamma_one=True),
+    EstimatorRecord("flash_reinforce", gamma_one=True, old_logprobs="rollout", policy_loss="flash_reinforce",
+                    loss_agg_mode="seq_mean_token_mean"),
+)}
+
+
+def estimator_record(name: str) -> EstimatorRecord:
+    """The record of ``--algo.advantage.estimator name``; an unknown name lists the valid ones."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
+    return ESTIMATORS[name]
 
 
 @dataclass(frozen=True)
@@ -33,6 +72,11 @@ class AdvantageConfig:
     """Statistic compared with the band."""
     is_correction_threshold: tuple[float, ...] = (0.5, 5.0)
     """``low high`` band (one value: high only)."""
+
+    @property
+    def record(self) -> EstimatorRecord:
+        """What the chosen estimator needs (:data:`ESTIMATORS`)."""
+        return estimator_record(self.estimator)
 
 
 @dataclass(frozen=True)

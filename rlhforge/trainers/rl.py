@@ -35,7 +35,6 @@ import torch
 from rlhforge.agents.episode import AgentError, drop_failed_groups
 from rlhforge.agents.single_turn import PromptRequest, SingleTurnExecutor
 from rlhforge.algorithms import (
-    GAMMA_ONE_ESTIMATORS,
     compute_advantages,
     compute_kl,
     dynamic_filter,
@@ -104,7 +103,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
     def _gamma(self) -> float:
         """OpenRLHF forces gamma = 1 for the group / batch-baseline estimators (with a warning)."""
         adv = self.cfg.algo.advantage
-        if adv.estimator in GAMMA_ONE_ESTIMATORS and adv.gamma != 1.0:
+        if adv.record.gamma_one and adv.gamma != 1.0:
             print(f"[rlhforge] warning: --algo.advantage.gamma {adv.gamma} is ignored with {adv.estimator}: "
                   f"gamma is forced to 1.0 (as OpenRLHF does)", flush=True)
             return 1.0
@@ -113,11 +112,11 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
     def _loss_spec(self) -> PolicyLossSpec:
         cfg = self.cfg
         a = cfg.actor
-        est = cfg.algo.advantage.estimator
+        est = cfg.algo.advantage.record
         low, high = a.eps_clip_low_high if a.eps_clip_low_high is not None else (a.eps_clip, a.eps_clip)
         agg = a.loss_agg_mode.replace("-", "_")  # every estimator, dr_grpo included (as OpenRLHF)
-        if est == "flash_reinforce":
-            loss_type, kwargs, agg = "flash_reinforce", {}, "seq_mean_token_mean"
+        if est.policy_loss is not None:  # the estimator comes with its loss (flash_reinforce)
+            loss_type, kwargs, agg = est.policy_loss, {}, est.loss_agg_mode or agg
         else:
             loss_type = a.policy_loss_type
             kwargs = {"eps_low": low, "eps_high": high, "dual_clip": a.dual_clip}
@@ -130,7 +129,7 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
             temperature=cfg.rollout.temperature, entropy_coef=a.entropy_coef or 0.0,
             kl_loss_coef=self._kl_loss_coef(), kl_estimator=cfg.algo.kl.estimator,
             kl_unbiased_gradient=cfg.algo.kl.unbiased_gradient,
-            use_rollout_logprobs_as_old=est == "flash_reinforce",
+            use_rollout_logprobs_as_old=est.old_logprobs == "rollout",
         )
 
     def _kl_loss_coef(self) -> float:
