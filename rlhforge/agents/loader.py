@@ -116,6 +116,12 @@ def build_executor(cfg, tokenizer, reward_source):
     from rlhforge.agents.single_turn import SingleTurnExecutor
 
     path = cfg.train.agent_func_path
+    env = getattr(cfg, "env", None)
+    if env is not None and env.kind != "none":  # --env.kind verifiers|openenv (docs/env_adapters.md)
+        from rlhforge.agents.env_adapters import build_env_adapter
+
+        ex = build_env_adapter(cfg, tokenizer)
+        return ex.configure(tokenizer=tokenizer, reward_source=reward_source, settings=AgentSettings.from_config(cfg))
     if not path:
         return SingleTurnExecutor(tokenizer, reward_source)
     from rlhforge.agents.builtin_envs import configure_sandbox

@@ -180,7 +180,7 @@ def build_trainer(cfg: RLConfig):
 
         reward_source = RewardModelSource(RewardGroupScorer(reward_group),
                                           reward_model_paths(cfg.reward.model_name_or_path), remote=True)
-    elif cfg.reward.remote_url or cfg.reward.model_name_or_path or not cfg.train.agent_func_path:
+    elif cfg.reward.remote_url or cfg.reward.model_name_or_path or not (cfg.train.agent_func_path or cfg.env.kind != "none"):
         reward_source = build_reward_source(cfg, device=device, pad_token_id=tokenizer.pad_token_id)
     from rlhforge.agents.loader import build_executor
 
@@ -208,7 +208,7 @@ def build_trainer(cfg: RLConfig):
           f"{cfg.rollout.batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, "
           f"{plan.updates_per_step} optimizer steps each; models: actor{' + ref' if ref else ''}"
           f"{' + critic' if critic else ''}; reward: {reward_source.name if reward_source else 'from the agent'}"
-          f"{f'; agent: {executor.name}' if cfg.train.agent_func_path else ''}; {strategy_name}"
+          f"{f'; agent: {executor.name}' if cfg.train.agent_func_path or cfg.env.kind != 'none' else ''}; {strategy_name}"
           f"; generation: {f'{cfg.vllm.num_engines} vLLM engine(s)' if cfg.vllm.num_engines else 'HF engine'}"
           f"{' (Ray actors)' if cfg.vllm.num_engines and ray_mode else ''}"
           f"{f'; async (queue {cfg.train.async_queue_size})' if cfg.train.async_enable else ''}")
@@ -232,7 +232,7 @@ def _vllm_max_model_len(cfg: RLConfig, prompts, eval_prompts) -> int:
     rollout_new = cfg.rollout.max_new_tokens or max(1, cfg.data.max_len - longest)  # as in RLTrainer
     eval_new = cfg.eval.max_new_tokens or rollout_new
     need = max(longest + rollout_new, longest_eval + eval_new)
-    if cfg.train.agent_func_path:  # multi-turn contexts grow with each turn, up to data.max_len
+    if cfg.train.agent_func_path or cfg.env.kind != "none":  # multi-turn contexts grow with each turn, up to data.max_len
         need = max(need, cfg.data.max_len)
     return need
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlhforge.config.deadline import DeadlineConfig
+from rlhforge.config.env_adapter import EnvAdapterConfig
 from rlhforge.config.components import (
     AdamConfig,
     CkptConfig,
@@ -447,6 +448,8 @@ class RLConfig:
     ckpt: RLCkptConfig = field(default_factory=RLCkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     deadline: DeadlineConfig = field(default_factory=DeadlineConfig)
+    env: EnvAdapterConfig = field(default_factory=EnvAdapterConfig)
+    """``--env.kind verifiers|openenv --env.id ...``: a verifiers or OpenEnv environment (docs/env_adapters.md)."""
     local_rank: int = -1
     """Set by launchers; the rank is read from the environment."""
     use_ms: bool = False

@@ -105,7 +105,9 @@ def validate_rl(cfg) -> None:
                           f"(got {t.agent_step_timeout} and {t.agent_episode_timeout})")
     if t.agent_env_concurrency < 1:
         raise ConfigError(f"--train.agent_env_concurrency must be >= 1 (got {t.agent_env_concurrency})")
-    if cfg.reward.model_name_or_path is None and cfg.reward.remote_url is None and not t.agent_func_path:
+    _validate_env_adapter(cfg)
+    if cfg.reward.model_name_or_path is None and cfg.reward.remote_url is None and not t.agent_func_path \
+            and cfg.env.kind == "none":
         raise ConfigError(
             "no reward source: set --reward.remote_url (a .py file with reward_func, an http:// reward server, "
             "or builtin:NAME), --reward.model_name_or_path (a reward model), or --train.agent_func_path (an "
@@ -488,3 +490,28 @@ def _validate_vllm(cfg) -> None:
         raise ConfigError(f"--vllm.num_engines {v.num_engines} with QLoRA (--ds.load_in_4bit) would need its 4-bit base "
                           "dequantised for the merged weight sync; drop --vllm.num_engines (the HF engine generates) "
                           "or train LoRA without --ds.load_in_4bit")
+
+
+def _validate_env_adapter(cfg) -> None:
+    """``--env.kind`` / ``--env.id`` (docs/env_adapters.md)."""
+    env = cfg.env
+    if env.kind == "none":
+        return
+    if cfg.train.agent_func_path:
+        raise ConfigError(f"--env.kind {env.kind} and --train.agent_func_path {cfg.train.agent_func_path} both name the "
+                          "episode's environment; set one")
+    if not env.id:
+        raise ConfigError(f"--env.kind {env.kind} needs --env.id ("
+                          + ("a verifiers taskset module or .py file)" if env.kind == "verifiers"
+                             else "the OpenEnv server's http://HOST:PORT)"))
+    if env.kind == "openenv" and not env.id.startswith(("http://", "https://", "ws://", "wss://")):
+        raise ConfigError(f"--env.id {env.id}: an OpenEnv server is named by its URL (http://HOST:PORT)")
+    if env.args:
+        import json
+
+        try:
+            ok = isinstance(json.loads(env.args), dict)
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"--env.args {env.args!r}: expected a JSON object, e.g. '{{\"split\": \"train\"}}'")

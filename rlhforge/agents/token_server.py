@@ -1,0 +1,201 @@
+"""vLLM's token route over rlhforge's engines: ``POST /inference/v1/generate`` (token ids in, token ids
+and per-token log-probs out), for environments that render their own prompts (verifiers 0.4's
+``TrainClient`` and anything else written against vLLM's token-in-token-out server).
+
+Request (vLLM's ``GenerateRequest``; the fields rlhforge reads)::
+
+    {"model": "policy", "token_ids": [...],
+     "sampling_params": {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                         "stop_token_ids": [...], "seed": 3, "logprobs": 1}}
+
+Response (vLLM's ``GenerateTokensResponse``)::
+
+    {"request_id": "...", "model": "policy", "prompt_token_ids": [...], "output_mode": "tokens",
+     "choices": [{"index": 0, "token_ids": [...], "finish_reason": "stop" | "length",
+                  "logprobs": {"content": [{"token_id": 17, "token": "token_id:17",
+                                            "logprob": -0.52, "top_logprobs": []}, ...]}}],
+     "usage": {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}}
+
+Each log-prob entry carries both vLLM 0.32's ``token_id`` and the ``"token_id:<id>"`` string that
+``renderers.client`` (verifiers' train client) checks. The prompt tokens are the caller's, never
+re-tokenised, so the chat template and tokenizer are exactly the caller's (for verifiers: the
+trained model's own, loaded from ``--actor.model_name_or_path``).
+
+**Sessions.** ``/sessions/<id>/inference/v1/generate`` (base URL ``.../sessions/<id>/v1``, as
+OpenAI-style clients are configured) records one episode, as the OpenAI-compatible server does
+(:mod:`rlhforge.agents.openai_server`): the first call's ``token_ids`` are the trajectory's prompt;
+every later call must start with every token recorded so far (the new tokens after them are
+environment feedback, mask 0), and the generated ids and log-probs are appended as an action span.
+A call that does not extend the session answers HTTP 400 and fails the sample
+(``--train.agent_openai_prefix_mismatch new_segment`` restarts from it instead). ``max_tokens`` is
+capped by what is left of ``--rollout.max_new_tokens``; a call past the budget returns no tokens
+with ``finish_reason="length"``. ``/inference/v1/generate`` without a session generates without
+recording. ``GET /v1/models`` reports ``max_model_len`` (``--data.max_len``) when set.
+"""
+
+# no `from __future__ import annotations`: FastAPI resolves the handlers' `Request` annotations at runtime
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import replace
+
+from rlhforge.agents.openai_server import ChatServer, ChatSession, _HTTPError
+from rlhforge.agents.token_check import EngineTurn
+from rlhforge.agents.episode import turn_seed
+
+__all__ = ["TokenServer"]
+
+
+def _sampling_overrides(sp: dict) -> dict:
+    """vLLM sampling-param names -> rlhforge :class:`SamplingParams` fields (only those given)."""
+    if not isinstance(sp, dict):
+        raise _HTTPError(400, "'sampling_params' must be an object")
+    over = {}
+    for name, key, cast in (("temperature", "temperature", float), ("top_p", "top_p", float),
+                            ("top_k", "top_k", int)):
+        if sp.get(name) is not None:
+            try:
+                over[key] = cast(sp[name])
+            except (TypeError, ValueError):
+                raise _HTTPError(400, f"sampling_params.{name} must be a number (got {sp[name]!r})") from None
+    if sp.get("n", 1) not in (1, None):
+        raise _HTTPError(400, "sampling_params.n > 1 is not supported (one sequence per call)")
+    return over
+
+
+class TokenServer(ChatServer):
+    """:class:`ChatServer` (OpenAI chat routes) plus vLLM's token route (module docstring)."""
+
+    def __init__(self, tokenizer, model_name: str = "policy", tokenizer_lock=None, max_model_len: int | None = None):
+        self.max_model_len = max_model_len
+        super().__init__(tokenizer, model_name, tokenizer_lock)
+
+    async def token_generate(self, body: dict, sid: str | None) -> dict:
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise _HTTPError(400, "'token_ids' must be a non-empty list of non-negative integers")
+        vocab = len(self.tokenizer)
+        if max(ids) >= vocab:
+            raise _HTTPError(400, f"token_ids holds {max(ids)}, beyond the tokenizer's {vocab} tokens")
+        sp_body = body.get("sampling_params") or {}
+        over = _sampling_overrides(sp_body)
+        if sid is None:
+            sess = ChatSession("", self._default_sampling(), budget=10**9, max_len=self.max_model_len)
+            return await self._generate_tokens(sess, ids, sp_body, over, body, record=False)
+        sess = self.sessions.get(sid)
+        if sess is None:
+            raise _HTTPError(404, f"unknown or finished session {sid!r}")
+        if sess.lock is None:
+            sess.lock = asyncio.Lock()
+        async with sess.lock:
+            if sess.error:
+                raise _HTTPError(400, f"session failed earlier: {sess.error}")
+            if sess.tokens is None:
+                sess.start_segment(ids)
+            elif ids[: len(sess.tokens)] == sess.tokens:
+                delta = ids[len(sess.tokens):]
+                sess.tokens.extend(delta)
+                sess.env_tokens += len(delta)
+            elif sess.prefix_mismatch == "new_segment":
+                sess.start_segment(ids)
+            else:
+                i = next((k for k, (a, b) in enumerate(zip(sess.tokens, ids)) if a != b), min(len(ids), len(sess.tokens)))
+                sess.error = (f"the new prompt's token_ids do not extend the episode: they differ from the "
+                              f"{len(sess.tokens)} recorded tokens at position {i} (recorded "
+                              f"{sess.tokens[max(0, i - 3):i + 3]} vs new {ids[max(0, i - 3):i + 3]}); "
+                              "--train.agent_openai_prefix_mismatch new_segment trains on the last segment instead")
+                raise _HTTPError(400, sess.error)
+            return await self._generate_tokens(sess, list(sess.tokens), sp_body, over, body, record=True)
+
+    def _default_sampling(self):
+        from rlhforge.rollout.engine import SamplingParams
+
+        return SamplingParams(max_new_tokens=1)
+
+    async def _generate_tokens(self, sess: ChatSession, prompt_ids, sp_body, over, body, *, record: bool) -> dict:
+        left = sess.remaining() if record else (10**9 if self.max_model_len is None
+                                               else max(self.max_model_len - len(prompt_ids), 0))
+        requested = sp_body.get("max_tokens")
+        max_new = left if requested is None else min(int(requested), left)
+        if max_new <= 0:
+            if record:
+                sess.cut, sess.last_finish = True, "length"
+            ids, lps, finish = [], [], "length"
+        else:
+            stops = tuple(int(t) for t in (sp_body.get("stop_token_ids") or ()))
+            seed = sp_body.get("seed")
+            base = sess.sampling
+            sp = replace(base, max_new_tokens=max_new, stop_token_ids=tuple(dict.fromkeys(base.stop_token_ids + stops)),
+                         seed=turn_seed(base.seed, sess.calls) if seed is None else int(seed), **over)
+            if self._generate is None or self._loop is None:
+                raise _HTTPError(503, "the server is not bound to a generation engine (no rollout in progress)")
+            fut = asyncio.run_coroutine_threadsafe(self._generate(list(prompt_ids), sp), self._loop)
+            out = await asyncio.wrap_future(fut)
+            ids, lps, finish = list(out.token_ids), [float(x) for x in out.logprobs], out.finish_reason
+            if len(ids) != len(lps) or not all(math.isfinite(x) for x in lps):
+                raise _HTTPError(500, f"the engine returned {len(ids)} tokens with {len(lps)} log-probs")
+            if record:
+                sess.turns.append(EngineTurn(tuple(prompt_ids), tuple(ids), tuple(lps)))
+                start = len(sess.tokens)
+                sess.tokens.extend(ids)
+                if ids:
+                    sess.action_ranges.append((start, start + len(ids)))
+                sess.logprobs.extend(lps)
+                sess.last_finish = finish
+        sess.calls += 1
+        content = [{"token_id": t, "token": f"token_id:{t}", "logprob": lp, "top_logprobs": []}
+                   for t, lp in zip(ids, lps)]
+        return {
+            "request_id": str(body.get("request_id") or uuid.uuid4().hex), "model": body.get("model") or self.model_name,
+            "created": int(time.time()), "output_mode": "tokens", "prompt_token_ids": list(prompt_ids),
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": None,
+                         "logprobs": {"content": content}}],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                      "total_tokens": len(prompt_ids) + len(ids)},
+        }
+
+    def _build_app(self):
+        from fastapi import Request
+        from fastapi.responses import JSONResponse
+
+        app = super()._build_app()
+        server = self
+
+        def err(status: int, message: str):
+            return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
+
+        async def generate(request: Request, sid: str | None = None):
+            try:
+                body = await request.json()
+            except Exception:  # noqa: BLE001
+                return err(400, "the body must be JSON")
+            if not isinstance(body, dict):
+                return err(400, "the body must be a JSON object")
+            try:
+                return await server.token_generate(body, sid)
+            except _HTTPError as e:
+                return err(e.status, e.message)
+            except Exception as e:  # noqa: BLE001 - the caller sees the reason
+                return err(500, f"{type(e).__name__}: {e}")
+
+        @app.post("/inference/v1/generate")
+        async def generate_plain(request: Request):
+            return await generate(request)
+
+        @app.post("/sessions/{sid}/inference/v1/generate")
+        async def generate_session(sid: str, request: Request):
+            return await generate(request, sid)
+
+        def models():
+            card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "rlhforge"}
+            if server.max_model_len:
+                card["max_model_len"] = server.max_model_len
+            return {"object": "list", "data": [card]}
+
+        # ChatServer's model list, replaced by one that also names max_model_len
+        paths = ("/v1/models", "/sessions/{sid}/v1/models")
+        app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in paths]
+        app.get("/v1/models")(models)
+        app.get("/sessions/{sid}/v1/models")(lambda sid: models())
+        return app
