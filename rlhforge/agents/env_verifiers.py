@@ -192,11 +192,14 @@ class VerifiersEnvExecutor(EpisodeExecutor):
         task = self.task_for(req.label, req.prompt_index)
         s = self.settings
         sess = self.server.open_session(ep.sampling, ep.budget, s.max_len, s.prefix_mismatch)
+        url = self.server.session_url(sess.sid)
+        keys = _known_context_length(url, self.model_name, s.max_len)
         try:
             async with ctx.semaphore:
-                episode = await self.env.run_episode(task, self._model_context(self.server.session_url(sess.sid), ep))
+                episode = await self.env.run_episode(task, self._model_context(url, ep))
         finally:
             self.server.close_session(sess.sid)
+            _forget_context_length(keys)
         if sess.error:
             raise VerifiersEnvError(sess.error)
         if not episode.ok:
@@ -243,6 +246,31 @@ class VerifiersEnvExecutor(EpisodeExecutor):
             raise VerifiersEnvError(
                 f"verifiers' token record of the episode ({len(ids)} tokens, {sum(map(bool, sampled))} sampled) "
                 f"differs from the tokens rlhforge served ({len(sess.tokens)}, {sum(mask)} sampled)")
+
+
+def _known_context_length(url: str, model: str, max_len: int | None) -> list:
+    """Tell ``renderers.client`` the session's context length up front (its cache, keyed by base URL
+    and model): it would otherwise ask ``GET /v1/models`` once per session URL under a module-level
+    ``asyncio.Lock``, which breaks when episodes run on more than one event loop (rollout and eval
+    threads, tests)."""
+    try:
+        from renderers import client as rc
+    except ImportError:
+        return []
+    cache = getattr(rc, "_max_prompt_len_cache", None)
+    if not isinstance(cache, dict):
+        return []
+    keys = [(url, model), (url.rstrip("/") + "/", model)]
+    for k in keys:
+        cache[k] = max_len
+    return keys
+
+
+def _forget_context_length(keys: list) -> None:
+    from renderers import client as rc
+
+    for k in keys:
+        rc._max_prompt_len_cache.pop(k, None)
 
 
 def _terms(trace) -> str:
