@@ -34,8 +34,9 @@ def start_server(tiny_model_dir, ckpt_dir, tinker):
     handles = []
 
     def start(**overrides):
-        cfg = ServeTinkerConfig(checkpoint_dir=str(ckpt_dir), device="cpu", model_map=(f"tiny={tiny_model_dir}",),
-                                **overrides)
+        kwargs = {"checkpoint_dir": str(ckpt_dir), "device": "cpu", "model_map": (f"tiny={tiny_model_dir}",),
+                  **overrides}
+        cfg = ServeTinkerConfig(**kwargs)
         app = create_app(cfg, (KEY,))
         handle = start_server_thread(app, route="/api/v1/healthz", name="tinker server")
         handle.app = app
