@@ -140,3 +140,38 @@ def test_requests_run_in_seq_id_order(tinker, http, model_id):
     late = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 6,
                                                  "adam_params": {"learning_rate": 0.0}}).json()
     assert "metrics" in _result(http, late["request_id"])
+
+
+def test_ppo_loss_is_the_clipped_formula(tinker, http, model_id):
+    """forward with loss_fn=ppo: loss:sum = -sum(min(r A, clip(r, lo, hi) A)), r = exp(logp - q), on the
+    log-probs the server returns (r ~ 0.4 here: the clip binds where A < 0)."""
+    import torch
+
+    ids = [7, 11, 13, 17, 19, 23, 29]
+    n = len(ids) - 1
+    adv = [1.0, -1.0, 2.0, -0.5, 0.0, 1.5]
+    body = _proto(tinker, model_id, 50, [datum(tinker, ids, logprobs=[-6.0] * n, advantages=adv)],
+                  "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+    r = http.post("/api/v1/forward", content=body, headers={"Content-Type": "application/x-protobuf"})
+    assert r.status_code == 200, r.text
+    res = _result(http, r.json()["request_id"])  # JSON (no Accept: protobuf)
+    logp = torch.tensor(res["loss_fn_outputs"][0]["logprobs"]["data"])
+    ratio, a = torch.exp(logp + 6.0), torch.tensor(adv)
+    expected = -torch.minimum(ratio * a, ratio.clamp(0.9, 1.1) * a).sum()
+    assert (ratio < 0.9).any() and (ratio * a != torch.minimum(ratio * a, ratio.clamp(0.9, 1.1) * a)).any()
+    assert res["metrics"]["loss:sum"] == pytest.approx(float(expected), rel=1e-5)
+    bad = _fwdbwd(http, _proto(tinker, model_id, 60, [datum(tinker, ids, logprobs=[-1.0] * n, advantages=[0.0] * n)],
+                               "ppo", {"clip_low_threshold": 1.5}))
+    assert bad.status_code == 400 and bad.json()["detail"].startswith("loss_fn_config.clip_low_threshold:")
+
+
+def test_cli_startup_errors_exit_2_naming_the_flag(tmp_path, capsys):
+    from rlhforge.cli.main import main
+
+    for argv, flag in ((["--model_map", f"x={tmp_path}/missing"], "--model_map"),
+                       (["--api_key", "sk-not-tinker-form"], "--api_key"),
+                       (["--port", "0"], "--port")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve-tinker", *argv])
+        assert exit_info.value.code == 2
+        assert flag in capsys.readouterr().err
