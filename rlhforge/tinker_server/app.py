@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, Response
 import rlhforge.tinker_server.schemas as S
 from rlhforge.tinker_server.codec import (PayloadError, decode_forward_backward, encode_forward_backward_output,
                                           encode_sample_response, json_forward_backward_output, json_sample_response)
-from rlhforge.tinker_server.state import SamplerEntry, ModelEntry, ServerState, check_name, checkpoint_dir_of
+from rlhforge.tinker_server.state import (ModelEntry, SamplerEntry, ServerState, base_dir_of, check_ids, check_name,
+                                          checkpoint_dir_of, folder_config, vocab_size)
 from rlhforge.tinker_server.training import LoraSpec, TrainedModel, check_loss, read_meta
 
 __all__ = ["create_app"]
@@ -86,7 +87,7 @@ def create_app(cfg, api_keys: tuple[str, ...]):
         models = []
         for name, folder in sorted(cfg.model_table.items()):
             models.append({"model_name": name, "trainable": True, "sampleable": True,
-                           "max_context_length": _context_length(folder)})
+                           "max_context_length": folder_config(folder).get("max_position_embeddings")})
         return {"supported_models": models}
 
     @app.post("/api/v1/client/config")
@@ -170,7 +171,7 @@ def create_app(cfg, api_keys: tuple[str, ...]):
         entry = state.model(S.parse(S.ModelRef, await body_of(request)).model_id)
         return {"type": "get_info", "model_id": entry.model_id, "model_name": entry.base_model,
                 "is_lora": True, "lora_rank": entry.lora.rank, "optimizer_config": {"type": "adamw"},
-                "model_data": {"arch": _arch(entry.base_dir), "model_name": entry.base_model,
+                "model_data": {"arch": folder_config(entry.base_dir).get("model_type"), "model_name": entry.base_model,
                                "tokenizer_id": entry.base_dir}}
 
     @app.post("/api/v1/forward_backward")
@@ -191,6 +192,11 @@ def create_app(cfg, api_keys: tuple[str, ...]):
         if req.seq_id < 1:
             raise PayloadError("seq_id", f"must be >= 1 (got {req.seq_id})")
         check_loss(req.loss_fn, req.config, req.data)
+        vocab = vocab_size(entry.base_dir)
+        for i, d in enumerate(req.data):
+            for where, ids in ((f"data[{i}].model_input", d.tokens),
+                               (f"data[{i}].loss_fn_inputs.target_tokens", d.inputs["target_tokens"])):
+                check_ids(where, ids, vocab)
         rec = state.submit_ordered(entry, req.seq_id, "fwdbwd", lambda: trained(entry).forward_backward(
             req.data, req.loss_fn, req.config, req.forward_only))
         return future(rec, model_id=entry.model_id)
@@ -266,7 +272,7 @@ def create_app(cfg, api_keys: tuple[str, ...]):
             state.session(req.session_id)
             check_optimizer(req.optimizer_config)
             base_model = req.base_model or meta["base_model"]
-            base_dir = state.resolve_base(base_model) if req.base_model else _base_dir_of(state, meta)
+            base_dir = state.resolve_base(base_model) if req.base_model else base_dir_of(state, meta)
             spec = LoraSpec(**{**meta["lora"], "alpha": meta["lora"].get("alpha", cfg.lora_alpha)})
             entry = new_model(req.session_id, req.model_seq_id, base_model, base_dir, spec)
 
@@ -292,7 +298,7 @@ def create_app(cfg, api_keys: tuple[str, ...]):
         if model_path:
             directory, _, _ = checkpoint_dir_of(state.root, model_path, "model_path")
             meta = read_meta(directory)
-            return SamplerEntry(sampler_id, base_model or meta["base_model"], _base_dir_of(state, meta),
+            return SamplerEntry(sampler_id, base_model or meta["base_model"], base_dir_of(state, meta),
                                 model_path=model_path, adapter_dir=directory)
         if not base_model:
             raise PayloadError("base_model", "give base_model or model_path")
@@ -335,6 +341,7 @@ def create_app(cfg, api_keys: tuple[str, ...]):
             prompt.extend(chunk.tokens)
         if not prompt:
             raise PayloadError("prompt", "no tokens")
+        check_ids("prompt", prompt, vocab_size(entry.base_dir))
         last_n = req.prompt_logprobs_last_n
         if last_n is not None and (not req.prompt_logprobs or last_n > len(prompt) - 1):
             raise PayloadError("prompt_logprobs_last_n", f"needs prompt_logprobs and 1..{len(prompt) - 1}")
@@ -346,9 +353,6 @@ def create_app(cfg, api_keys: tuple[str, ...]):
 
             if entry.sampler is None:
                 entry.sampler = Sampler(entry.base_dir, device=state.device, adapter_dir=entry.adapter_dir)
-            vocab = entry.sampler.engine.model.get_input_embeddings().num_embeddings
-            if max(prompt) >= vocab or min(prompt) < 0:
-                raise PayloadError("prompt", f"token ids must be in 0..{vocab - 1}")
             seqs, plp = entry.sampler.sample(prompt, req.num_samples, params, bool(req.prompt_logprobs))
             if plp is not None and last_n is not None:
                 plp[: len(prompt) - last_n] = float("nan")
@@ -381,31 +385,3 @@ def create_app(cfg, api_keys: tuple[str, ...]):
 
     return app
 
-
-def _base_dir_of(state: ServerState, meta: dict) -> str:
-    """A checkpoint's base folder: its ``base_model`` name if this server maps or finds it, else the folder
-    recorded at save time."""
-    try:
-        return state.resolve_base(meta["base_model"])
-    except PayloadError:
-        folder = meta.get("base_dir")
-        if folder and Path(folder).is_dir():
-            return folder
-        raise
-
-
-def _config(folder: str) -> dict:
-    import json
-
-    try:
-        return json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _context_length(folder: str) -> int | None:
-    return _config(folder).get("max_position_embeddings")
-
-
-def _arch(folder: str) -> str | None:
-    return _config(folder).get("model_type")

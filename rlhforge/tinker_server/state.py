@@ -29,7 +29,8 @@ from rlhforge.tinker_server.codec import PayloadError
 
 log = logging.getLogger("rlhforge.tinker_server")
 
-__all__ = ["ServerState", "FutureRecord", "ModelEntry", "SamplerEntry", "checkpoint_dir_of"]
+__all__ = ["ServerState", "FutureRecord", "ModelEntry", "SamplerEntry", "checkpoint_dir_of", "check_name", "base_dir_of",
+           "folder_config", "vocab_size", "check_ids"]
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+\-]{0,200}$")
 KINDS = {"weights": "weights", "sampler_weights": "sampler_weights"}
@@ -229,3 +230,37 @@ class ServerState:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def base_dir_of(state: ServerState, meta: dict) -> str:
+    """A checkpoint's base folder: its ``base_model`` name if this server maps or finds it, else the folder
+    recorded at save time."""
+    try:
+        return state.resolve_base(meta["base_model"])
+    except PayloadError:
+        folder = meta.get("base_dir")
+        if folder and Path(folder).is_dir():
+            return folder
+        raise
+
+
+def folder_config(folder: str) -> dict:
+    import json
+
+    try:
+        return json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def vocab_size(folder: str) -> int | None:
+    cfg = folder_config(folder)
+    return cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+
+
+def check_ids(where: str, ids, vocab: int | None) -> None:
+    import numpy as np
+
+    arr = np.asarray(ids)
+    if arr.size and (arr.min() < 0 or (vocab is not None and arr.max() >= vocab)):
+        raise PayloadError(where, f"token ids must be in 0..{(vocab or 0) - 1} (got {int(arr.min())}..{int(arr.max())})")

@@ -71,6 +71,7 @@ def test_sdk_with_wrong_key_fails_fast(server, tinker, monkeypatch):
     ("importance_sampling", {"target_tokens": [3, 4, 5], "logprobs": [-1.0] * 3}, "data[0].loss_fn_inputs.advantages"),
     ("cross_entropy", {"target_tokens": [3, 4, 5], "weights": [1.0, float("nan"), 1.0]},
      "data[0].loss_fn_inputs.weights"),
+    ("cross_entropy", {"target_tokens": [3, 4, 99999], "weights": [1.0] * 3}, "data[0].loss_fn_inputs.target_tokens"),
     ("cispo", {"target_tokens": [3, 4, 5]}, "loss_fn"),
     ("stable_reinforce", {"target_tokens": [3, 4, 5]}, "loss_fn"),
 ])
@@ -98,6 +99,8 @@ def test_bad_forward_backward_names_the_field(tinker, http, model_id, loss_fn, i
     ("/api/v1/asample", {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
                          "sampling_params": {"max_tokens": 0}, "base_model": "tiny"}, 400, "sampling_params.max_tokens"),
     ("/api/v1/asample", {"prompt": {"chunks": []}, "sampling_params": {}, "base_model": "tiny"}, 400, "prompt"),
+    ("/api/v1/asample", {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, -2]}]}, "sampling_params": {},
+                         "base_model": "tiny"}, 400, "prompt"),
     ("/api/v1/retrieve_future", {"request_id": "req-unknown"}, 404, "request_id"),
     ("/api/v1/get_info", {}, 400, "model_id"),
 ])
