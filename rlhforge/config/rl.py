@@ -479,7 +479,7 @@ class RLConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.algo.advantage.estimator == "gae"
+        return self.algo.advantage.record.critic
 
     @property
     def uses_ref(self) -> bool:

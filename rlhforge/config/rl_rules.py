@@ -38,9 +38,6 @@ _NO_EFFECT: dict[tuple[str, str], tuple[object, str]] = {
     ("data", "dataloader_num_workers"): (0, "prompts are tokenised once, before training (no DataLoader workers)"),
 }
 
-_GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
-
-
 def _get(cfg, dotted: str):
     node = cfg
     for part in dotted.split("."):
@@ -118,7 +115,7 @@ def validate_rl(cfg) -> None:
                           "several comma-separated: their rewards are summed)")
     est = cfg.algo.advantage.estimator
     n = cfg.rollout.n_samples_per_prompt
-    if est in _GROUP_ESTIMATORS and n <= 1:
+    if cfg.algo.advantage.record.groups and n <= 1:
         raise ConfigError(f"{est} needs rollout.n_samples_per_prompt > 1 (got {n}): it compares samples of one prompt")
     if cfg.algo.dynamic_filtering_enable and n <= 1:
         raise ConfigError(f"--algo.dynamic_filtering_enable needs rollout.n_samples_per_prompt > 1 (got {n})")
