@@ -26,7 +26,19 @@ __all__ = ["tensor_checksum", "Fingerprint", "state_fingerprint", "params_checks
            "WeightSyncMismatch", "check_sync_reports", "check_engine_sync"]
 
 _MASK = (1 << 64) - 1
-_CHUNK = 1 << 22  # words per pass (bounded extra memory: two int64 buffers of this length)
+_MOD = 65521
+_CHUNK = _MOD * 64  # words per pass (~4.2M: bounded extra memory)
+_WEIGHTS: dict[tuple, torch.Tensor] = {}
+
+
+def _weights(device: torch.device, chunk: int) -> torch.Tensor:
+    """``1 + j mod 65521`` for ``j < chunk + 65521``, once per device: chunk ``[start, start + n)`` uses the
+    slice from ``start mod 65521`` (the weights repeat with that period)."""
+    key = (device, chunk)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        w = _WEIGHTS[key] = torch.arange(chunk + _MOD, device=device, dtype=torch.int64).remainder_(_MOD).add_(1)
+    return w
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -43,11 +55,12 @@ def tensor_checksum(t: torch.Tensor) -> tuple[int, int]:
     """``(sum, position-weighted sum)`` of ``t``'s bytes as words, each modulo 2**64 (device-independent)."""
     w = _words(t)
     s1 = s2 = 0
+    pos = _weights(w.device, _CHUNK)
     for start in range(0, w.numel(), _CHUNK):
         c = w[start : start + _CHUNK].to(torch.int64)
-        pos = torch.arange(start, start + c.numel(), device=c.device, dtype=torch.int64).remainder_(65521).add_(1)
         s1 = (s1 + int(c.sum())) & _MASK
-        s2 = (s2 + int((c * pos).sum())) & _MASK
+        off = start % _MOD
+        s2 = (s2 + int(c.mul_(pos[off : off + c.numel()]).sum())) & _MASK
     return s1, s2
 
 

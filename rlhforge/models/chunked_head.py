@@ -29,8 +29,8 @@ from torch import Tensor, nn
 
 __all__ = ["head_for", "deferred_head", "head_logprobs", "chunk_rows"]
 
-#: elements of one chunk's fp32 logits (64 Mi: 256 MiB; ~441 positions at a 151,936 vocabulary)
-CHUNK_ELEMENTS = 64 << 20
+#: elements of one chunk's fp32 logits (16 Mi: 64 MiB; ~110 positions at a 151,936 vocabulary)
+CHUNK_ELEMENTS = 16 << 20
 
 
 class _Passthrough(nn.Module):
