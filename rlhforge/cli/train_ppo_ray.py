@@ -100,7 +100,7 @@ def build_trainer(cfg: RLConfig):
     """All components of a run, wired; returns the :class:`~rlhforge.trainers.rl.RLTrainer`."""
     import torch
 
-    from rlhforge.config.batching import plan_rl_batches
+    from rlhforge.config.batching import plan_rl_run
     from rlhforge.models.loading import load_tokenizer
     from rlhforge.rewards.sources import build_reward_source
     from rlhforge.rollout.hf_engine import HFEngine
@@ -129,14 +129,7 @@ def build_trainer(cfg: RLConfig):
     prompts, eval_prompts = load_prompts(cfg, tokenizer)
     if cfg.eval.dataset and not eval_prompts:
         raise ConfigError(f"--eval.dataset {cfg.eval.dataset} has no prompts")
-    plan = plan_rl_batches(
-        rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-        train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.planned_micro_batch_size,
-        rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=world, num_prompts=len(prompts),
-        ring_size=cfg.ds.ring_attn_size,  # the actor data-parallel size is world / ring
-        tp_size=cfg.ds.tensor_parallel_size,  # ... / AutoTP size (backend/autotp.py)
-        num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps,
-    )
+    plan = plan_rl_run(cfg, world_size=world, num_prompts=len(prompts))  # once; the workers get it whole
     placement = reward_group = driver_vllm = None
     if ray_mode and not cfg.vllm.num_engines and cfg.train.device != "cpu" and _cuda_here():
         raise ConfigError("Ray workers on GPUs generate with vLLM engine actors: add --vllm.num_engines N (the "
@@ -166,11 +159,11 @@ def build_trainer(cfg: RLConfig):
         device = torch.device("cpu") if cfg.vllm.num_engines else resolve_device(cfg.train.device)
         strategy_name = f"{cfg.ds.strategy}/ZeRO-{cfg.ds.zero_stage} in Ray workers ({placement.describe()})"
     else:
-        actor_w = ActorWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps)
+        actor_w = ActorWorker(cfg, tokenizer, plan, group_size=world)
         device = actor_w.device
         actor = InProcessGroup(actor_w, "actor")
         ref = InProcessGroup(RefWorker(cfg, tokenizer, device), "ref") if cfg.uses_ref else None
-        critic = InProcessGroup(CriticWorker(cfg, tokenizer, plan.total_updates, plan.grad_accum_steps), "critic") \
+        critic = InProcessGroup(CriticWorker(cfg, tokenizer, plan, group_size=world), "critic") \
             if cfg.uses_critic else None
         strategy_name = f"{type(actor_w.strategy).__name__} on {device}"
     reward_source = None

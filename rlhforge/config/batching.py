@@ -74,12 +74,13 @@ def plan_batches(
 
 @dataclass(frozen=True)
 class RLBatchPlan:
-    """Derived counts of one RL step (see :func:`plan_rl_batches`)."""
+    """The RL run's batch plan: derived counts of one RL step (:func:`plan_rl_batches`), computed once from
+    the config (:func:`plan_rl_run`) and handed whole to the trainer and the worker groups."""
 
     rollout_samples: int
     """Samples generated per RL step: rollout.batch_size prompts x n_samples_per_prompt."""
-    train_batch_size: int
-    """Samples per optimizer step, all ranks together."""
+    batch_size: int
+    """Samples per optimizer step, all ranks together (``train.batch_size``, as :attr:`BatchPlan.batch_size`)."""
     updates_per_epoch: int
     """Optimizer steps per pass over one rollout."""
     updates_per_step: int
@@ -92,12 +93,31 @@ class RLBatchPlan:
     """RL steps in the whole run (0 when the prompt count is not known yet)."""
     total_updates: int
     """Optimizer steps in the whole run (for the lr schedule)."""
+    micro_batch_size: int
+    """Samples per micro-batch on one device (``train.micro_batch_size``; 1 with token budgets)."""
+    world_size: int
+    """Data-parallel actor ranks (ranks / (ring x tensor-parallel size))."""
+    train_tokens: int | None = None
+    """Token budget of a training micro-batch (``--train.max_tokens_per_gpu`` with dynamic batching; None: off)."""
+    pass_tokens: int | None = None
+    """Token budget of a no-grad pass micro-batch (log-probs, values; None: off)."""
+
+    def strategy_plan(self, world_size: int) -> BatchPlan:
+        """The :class:`BatchPlan` of one worker group's strategy (DeepSpeed's micro-batch and accumulation)
+        when its optimizer steps are split over ``world_size`` data-parallel ranks: the actor's are
+        :attr:`world_size`; a critic group of another size splits the same :attr:`batch_size` over its own."""
+        accum = max(self.batch_size // (self.micro_batch_size * world_size), 1)
+        total = max(self.total_updates, 1)
+        return BatchPlan(batch_size=self.batch_size, world_size=world_size, micro_batch_size=self.micro_batch_size,
+                         per_rank_batch=self.micro_batch_size * accum, grad_accum_steps=accum,
+                         steps_per_epoch=max(self.updates_per_epoch, 1), total_steps=total)
 
 
 def plan_rl_batches(
     *, rollout_batch_size: int, n_samples_per_prompt: int, train_batch_size: int, micro_batch_size: int,
     rollout_micro_batch_size: int, world_size: int, num_prompts: int | None, num_episodes: int = 1,
     max_epochs: int = 1, max_steps: int = -1, ring_size: int = 1, tp_size: int = 1,
+    token_budgets: tuple[int | None, int | None] = (None, None),
 ) -> RLBatchPlan:
     """RL counterpart of :func:`plan_batches`: ``rollout.batch_size x n_samples_per_prompt`` samples per
     RL step are cut into optimizer steps of ``train.batch_size`` samples, each of ``micro_batch_size x
@@ -148,8 +168,24 @@ def plan_rl_batches(
         if max_steps > 0:
             total = min(total, max_steps)
     return RLBatchPlan(
-        rollout_samples=samples, train_batch_size=train_batch_size, updates_per_epoch=updates_per_epoch,
+        rollout_samples=samples, batch_size=train_batch_size, updates_per_epoch=updates_per_epoch,
         updates_per_step=updates_per_epoch * max_epochs,
         grad_accum_steps=train_batch_size // (micro_batch_size * world_size), steps_per_episode=steps_per_episode,
         total_steps=total, total_updates=total * updates_per_epoch * max_epochs,
+        micro_batch_size=micro_batch_size, world_size=world_size, train_tokens=token_budgets[0],
+        pass_tokens=token_budgets[1],
+    )
+
+
+def plan_rl_run(cfg, *, world_size: int, num_prompts: int | None) -> RLBatchPlan:
+    """The RL run's batch plan, computed once from its config (``RLConfig``) over ``world_size`` actor
+    ranks; the trainer and the worker groups read it (each strategy's via :meth:`RLBatchPlan.strategy_plan`)."""
+    return plan_rl_batches(
+        rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        train_batch_size=cfg.train.batch_size, micro_batch_size=cfg.planned_micro_batch_size,
+        rollout_micro_batch_size=cfg.rollout.micro_batch_size, world_size=world_size, num_prompts=num_prompts,
+        ring_size=cfg.ds.ring_attn_size,  # the actor data-parallel size is world / ring
+        tp_size=cfg.ds.tensor_parallel_size,  # ... / AutoTP size (backend/autotp.py)
+        num_episodes=cfg.train.num_episodes, max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps,
+        token_budgets=cfg.token_budgets(),
     )

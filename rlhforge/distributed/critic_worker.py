@@ -8,8 +8,9 @@ import torch
 from rlhforge.algorithms import value_loss
 from rlhforge.backend.device import seed_everything
 from rlhforge.backend.step import StepNormaliser, run_no_grad, run_step, step_normaliser
+from rlhforge.config.batching import RLBatchPlan
 from rlhforge.distributed.micro_batches import micro_batch_groups
-from rlhforge.distributed.worker_base import TrainableWorker, per_sample, plan_for, reduce_step_metrics, scatter
+from rlhforge.distributed.worker_base import TrainableWorker, per_sample, reduce_step_metrics, scatter
 from rlhforge.models.forward import is_packed
 
 __all__ = ["CriticWorker", "token_values"]
@@ -50,7 +51,9 @@ def token_values(model, batch: dict, prefix: str = "score") -> torch.Tensor:
 
 
 class CriticWorker(TrainableWorker):
-    def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
+    def __init__(self, cfg, tokenizer, plan: RLBatchPlan, group_size: int = 1):
+        """``plan``: the run's batch plan (:func:`rlhforge.config.batching.plan_rl_run`); ``group_size``: the
+        critic ranks, over which each optimizer step's ``plan.batch_size`` samples are split."""
         from rlhforge.backend.factory import build_strategy
         from rlhforge.models.reward import load_reward_model
 
@@ -59,15 +62,15 @@ class CriticWorker(TrainableWorker):
 
         first_rm = (reward_model_paths(cfg.reward.model_name_or_path) or [None])[0]  # OpenRLHF: the first reward model
         path = cfg.critic.model_name_or_path or first_rm or cfg.actor.model_name_or_path
-        plan = plan_for(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
-        self.strategy = build_strategy(cfg.ds, cfg.critic.optim_config(), cfg.train, plan)
+        step_plan = plan.strategy_plan(max(group_size, 1))
+        self.strategy = build_strategy(cfg.ds, cfg.critic.optim_config(), cfg.train, step_plan)
         seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)  # a new value head: same init on
         # every rank and in every process layout (in-process or Ray)
         model = load_reward_model(path, cfg.critic, cfg.ds, self.strategy.device, pad_token_id=tokenizer.pad_token_id,
                                   value_head_prefix=cfg.ds.value_head_prefix)
-        self.model = self.strategy.prepare(model, max(total_updates, 1))
+        self.model = self.strategy.prepare(model, step_plan.total_steps)
         self.device, self.packed, self.prefix = self.strategy.device, cfg.ds.packing_samples, cfg.ds.value_head_prefix
-        self.train_tokens, self.pass_tokens = cfg.token_budgets()
+        self.train_tokens, self.pass_tokens = plan.train_tokens, plan.pass_tokens
         self.path = path
 
     def values(self, samples, micro_batch_size: int) -> list[torch.Tensor]:

@@ -132,17 +132,14 @@ def _start_groups(cfg, tokenizer, plan, placement, pgs, device):
                               device=device, process_group=process_group, env=env, wait=False,
                               call_timeout_s=cfg.deadline.worker_call_s, startup_s=cfg.deadline.startup_s)
 
-    actor = group("actor", ActorWorker, (cfg, tokenizer, plan.total_updates, plan.grad_accum_steps))
+    actor = group("actor", ActorWorker, (cfg, tokenizer, plan, sizes["actor"]))  # the plan whole, and group sizes
     # the actor's rings / AutoTP groups share shards (the ref and critic run without either)
     actor.replica_size = cfg.ds.ring_attn_size * cfg.ds.tensor_parallel_size
     ref = group("ref", RefWorker, (cfg, tokenizer)) if "ref" in sizes else None  # a process group: ZeRO-3 shards
     reward = group("reward", RewardWorker, (cfg, tokenizer)) if "reward" in sizes else None
     critic = None
     if "critic" in sizes:
-        critic_plan = plan if sizes["critic"] == sizes["actor"] and actor.replica_size == 1 else None
-        accum = critic_plan.grad_accum_steps if critic_plan else cfg.train.batch_size // (
-            cfg.planned_micro_batch_size * sizes["critic"])
-        critic = group("critic", CriticWorker, (cfg, tokenizer, plan.total_updates, max(accum, 1)))
+        critic = group("critic", CriticWorker, (cfg, tokenizer, plan, sizes["critic"]))
     for g in (actor, ref, critic, reward):  # all groups load their models at the same time; wait for them here
         if g is not None:
             g.ready()

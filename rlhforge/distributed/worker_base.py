@@ -10,11 +10,10 @@ from typing import Any, Sequence
 import torch
 
 from rlhforge.algorithms import entropy_from_logits
-from rlhforge.config.batching import BatchPlan
 from rlhforge.distributed.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
 from rlhforge.models.forward import is_packed
 
-__all__ = ["TrainableWorker", "to_device", "per_sample", "shifted_entropy", "scatter", "plan_for", "reduce_step_metrics"]
+__all__ = ["TrainableWorker", "to_device", "per_sample", "shifted_entropy", "scatter", "reduce_step_metrics"]
 
 
 class TrainableWorker:
@@ -101,12 +100,6 @@ def shifted_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """[B, T] entropy of the distribution that predicted token t (0 at t = 0)."""
     ent = entropy_from_logits(logits[:, :-1], temperature=temperature)
     return torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
-
-
-def plan_for(micro_batch_size: int, grad_accum: int, total: int) -> BatchPlan:
-    return BatchPlan(batch_size=micro_batch_size * grad_accum, world_size=1, micro_batch_size=micro_batch_size,
-                     per_rank_batch=micro_batch_size * grad_accum, grad_accum_steps=grad_accum, steps_per_epoch=total,
-                     total_steps=total)
 
 
 def reduce_step_metrics(dp_scaled: dict[str, float], token_weighted: dict[str, float], all_reduce,

@@ -31,6 +31,7 @@ from rlhforge.algorithms import entropy_bonus, get_policy_loss, kl_loss
 from rlhforge.algorithms.kl import kl_loss_unbiased_gradient
 from rlhforge.backend.device import seed_everything
 from rlhforge.backend.step import StepNormaliser, run_no_grad, run_step, step_normaliser
+from rlhforge.config.batching import RLBatchPlan
 from rlhforge.distributed.critic_worker import CriticWorker, token_values
 from rlhforge.distributed.experience import ExperienceSample, collate_experience
 from rlhforge.distributed.groups import InProcessGroup
@@ -38,7 +39,6 @@ from rlhforge.distributed.micro_batches import micro_batch_groups, packed_as_row
 from rlhforge.distributed.worker_base import (
     TrainableWorker,
     per_sample,
-    plan_for,
     reduce_step_metrics,
     scatter,
     shifted_entropy,
@@ -94,14 +94,16 @@ class ActorWorker(TrainableWorker):
     aux_loss_coef = 0.0  # --actor.aux_loss_coef on an MoE model (0: no load-balancing term)
     image_token_id = None  # a vision-language actor's image token (its batches then carry pixels)
 
-    def __init__(self, cfg, tokenizer, total_updates: int, grad_accum: int):
+    def __init__(self, cfg, tokenizer, plan: RLBatchPlan, group_size: int = 1):
+        """``plan``: the run's batch plan (:func:`rlhforge.config.batching.plan_rl_run`); ``group_size``: the
+        actor ranks (those of one ring / AutoTP group share their samples)."""
         from rlhforge.backend.factory import build_strategy
         from rlhforge.models.vlm import image_token_of, load_policy
 
         self.cfg, self.tokenizer = cfg, tokenizer
         self.image_token_id = image_token_of(tokenizer)  # a vision-language actor (docs/vlm.md)
-        plan = plan_for(cfg.planned_micro_batch_size, grad_accum, max(total_updates, 1))
-        self.strategy = build_strategy(cfg.ds, cfg.actor.optim_config(), cfg.train, plan)
+        step_plan = plan.strategy_plan(max(group_size // (cfg.ds.ring_attn_size * cfg.ds.tensor_parallel_size), 1))
+        self.strategy = build_strategy(cfg.ds, cfg.actor.optim_config(), cfg.train, step_plan)
         seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
         with self.strategy.model_init():  # ZeRO-3: partitioned as it loads
             model = load_policy(cfg.actor.model_name_or_path, cfg.actor, cfg.ds, self.strategy.device, tokenizer,
@@ -112,14 +114,14 @@ class ActorWorker(TrainableWorker):
             self.ring = new_ring_group(cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride)
             use_ring_attention(model)
             self.ring_size = self.ring.ring_size
-        self.model = self.strategy.prepare(model, max(total_updates, 1))
+        self.model = self.strategy.prepare(model, step_plan.total_steps)
         self.device = self.strategy.device
         self.packed = cfg.ds.packing_samples
         if cfg.train.enable_ema:  # of each rank's local shard, from the initial weights (backend/ema.py)
             from rlhforge.backend.ema import ParamEMA
 
             self.ema = ParamEMA(self.strategy.module, cfg.train.ema_beta, self.strategy.rank)
-        self.train_tokens, self.pass_tokens = cfg.token_budgets()
+        self.train_tokens, self.pass_tokens = plan.train_tokens, plan.pass_tokens
         if self.ring is not None:  # a ring holds ring_size times a worker's budget (each rank 1/ring of it), as OpenRLHF
             self.train_tokens, self.pass_tokens = (b * self.ring_size if b else b for b in (self.train_tokens,
                                                                                               self.pass_tokens))

@@ -23,6 +23,7 @@ def main():
     from rlhforge.config.parsing import from_dict
     from rlhforge.config.rl import RLConfig
     from rlhforge.distributed.workers import ActorWorker
+    from tests.rl.helpers import worker_plan
 
     torch.set_num_threads(1)
     cfg = from_dict(RLConfig, {
@@ -30,7 +31,7 @@ def main():
         "reward.remote_url": "builtin:arithmetic", "rollout.batch_size": 8, "train.batch_size": 8,
         "train.micro_batch_size": 2, "ds.param_dtype": "fp32", "train.device": "cpu", "ds.strategy": "deepspeed",
         "ds.zero_stage": 3, "ds.lora.rank": 4, "ds.lora.alpha": 8})
-    worker = ActorWorker(cfg, AutoTokenizer.from_pretrained(model_dir), total_updates=4, grad_accum=4)
+    worker = ActorWorker(cfg, AutoTokenizer.from_pretrained(model_dir), worker_plan(cfg, 4))  # 4 micro-batches per step
     with torch.no_grad():  # adapters away from zero, so the merge changes the weights
         for name, p in worker.strategy.module.named_parameters():
             if "lora_B" in name:

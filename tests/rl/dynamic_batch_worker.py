@@ -56,6 +56,7 @@ def main():
     from rlhforge.config.parsing import from_dict
     from rlhforge.config.rl import RLConfig
     from rlhforge.distributed.workers import ActorWorker, PolicyLossSpec
+    from tests.rl.helpers import worker_plan
 
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -77,7 +78,7 @@ def main():
         for mode, tokens, packed in (("fixed", None, False), ("budget", budget, True)):
             # a fresh worker per mode (same weights); DeepSpeed's config says 2 micro-batches per step,
             # the budget run does 3 on each rank
-            worker = ActorWorker(cfg, tokenizer, total_updates=4, grad_accum=2)
+            worker = ActorWorker(cfg, tokenizer, worker_plan(cfg, 4, world), group_size=world)
             worker.train_tokens, worker.packed = tokens, packed
             grads: dict = {}
             step = worker.strategy.step

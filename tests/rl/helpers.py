@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,3 +37,11 @@ def reward_func(queries, prompts, labels, **kwargs):
 def write_reward(path: Path, body: str = VARIED_REWARD) -> Path:
     path.write_text(body)
     return path
+
+
+def worker_plan(cfg, total_updates: int, world_size: int = 1):
+    """The run's batch plan of ``cfg`` over ``world_size`` actor ranks, as ``train_ppo_ray`` hands it to the
+    workers, with ``total_updates`` optimizer steps (the lr schedule of a worker built without a prompt set)."""
+    from rlhforge.config.batching import plan_rl_run
+
+    return dataclasses.replace(plan_rl_run(cfg, world_size=world_size, num_prompts=None), total_updates=total_updates)

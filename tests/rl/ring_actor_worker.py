@@ -21,6 +21,7 @@ def main():
     from rlhforge.config.rl import RLConfig
     from rlhforge.distributed.workers import ActorWorker, PolicyLossSpec
     from tests.rl.dynamic_batch_worker import experience_samples
+    from tests.rl.helpers import worker_plan
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -30,7 +31,7 @@ def main():
         "reward.remote_url": "builtin:arithmetic", "rollout.batch_size": 8, "train.batch_size": 8,
         "train.micro_batch_size": 2, "ds.param_dtype": "fp32", "train.device": "cpu", "ds.strategy": "torch",
         "ds.packing_samples": True, "ds.ring_attn_size": world, "ds.ring_attn_head_stride": 1})
-    worker = ActorWorker(cfg, AutoTokenizer.from_pretrained(model_dir), total_updates=4, grad_accum=4)
+    worker = ActorWorker(cfg, AutoTokenizer.from_pretrained(model_dir), worker_plan(cfg, 4, world), group_size=world)
     logprobs = worker.logprobs(samples, micro_batch_size=2, temperature=0.7)
     grads: dict = {}
     step = worker.strategy.step

@@ -19,6 +19,7 @@ from rlhforge.config.rl import RLConfig
 from rlhforge.distributed.workers import ActorWorker, CriticWorker, PolicyLossSpec
 
 from tests.rl.dynamic_batch_worker import LENGTHS, experience_samples as _samples
+from tests.rl.helpers import worker_plan
 from tests.torchrun import run_torchrun
 
 # LENGTHS: mixed, long and short alternating: fixed pairs pad every short sample up to a long one
@@ -86,7 +87,7 @@ def actor(tiny_model_dir):
     from transformers import AutoTokenizer
 
     cfg = _cfg(tiny_model_dir, **{"rollout.max_tokens_per_gpu": 200})
-    return ActorWorker(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), total_updates=10, grad_accum=4)
+    return ActorWorker(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), worker_plan(cfg, 10))
 
 
 def test_budgets_come_from_the_config(tiny_model_dir):
@@ -133,7 +134,7 @@ def test_critic_step_and_values_equal_fixed_micro_batches(tiny_model_dir):
     from transformers import AutoTokenizer
 
     cfg = _cfg(tiny_model_dir, **{"algo.advantage.estimator": "gae"})
-    critic = CriticWorker(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), total_updates=10, grad_accum=4)
+    critic = CriticWorker(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), worker_plan(cfg, 10))
     samples = _samples(seed=2)
     fixed = _step(critic, samples, 0.2, fixed_padded=True)
     dynamic = _step(critic, samples, 0.2, fixed_padded=False)

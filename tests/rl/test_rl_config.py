@@ -160,6 +160,25 @@ def test_rl_batch_plan_arithmetic():
                         rollout_micro_batch_size=8, world_size=1, num_prompts=10)
 
 
+def test_rl_batch_plan_is_computed_once_and_gives_each_group_its_strategy_plan():
+    from rlhforge.config.batching import plan_rl_run
+
+    cfg = parse_rl_args(BASE + ["--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "4",
+                                "--train.batch_size", "32", "--train.micro_batch_size", "4"])
+    plan = plan_rl_run(cfg, world_size=2, num_prompts=100)
+    assert (plan.batch_size, plan.micro_batch_size, plan.world_size, plan.grad_accum_steps) == (32, 4, 2, 4)
+    assert (plan.train_tokens, plan.pass_tokens) == (None, None)
+    actor = plan.strategy_plan(plan.world_size)  # the actor's: the plan's own accumulation
+    assert (actor.batch_size, actor.world_size, actor.micro_batch_size, actor.grad_accum_steps,
+            actor.per_rank_batch, actor.total_steps) == (32, 2, 4, 4, 16, plan.total_updates)
+    assert plan.strategy_plan(4).grad_accum_steps == 2  # a critic group of 4 ranks: 32 / (4 x 4)
+    assert plan.strategy_plan(16).grad_accum_steps == 1  # never below one micro-batch
+    dyn = plan_rl_run(parse_rl_args(BASE + ["--train.dynamic_batch_enable", "--ds.packing_samples",
+                                    "--train.max_tokens_per_gpu", "64"]),
+                      world_size=1, num_prompts=None)
+    assert (dyn.micro_batch_size, dyn.train_tokens, dyn.pass_tokens, dyn.strategy_plan(1).total_steps) == (1, 64, 64, 1)
+
+
 MY_EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if p.name.startswith(("rl_", "ppo_")))
 
 
