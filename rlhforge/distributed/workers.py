@@ -147,7 +147,7 @@ class ActorWorker(TrainableWorker):
             logp, logits = out
             return logp, shifted_entropy(logits if entropy_grad else logits.detach(), temperature)
         return token_logprobs(self.model, batch, temperature, return_entropy=return_entropy, entropy_grad=entropy_grad,
-                              share_prefixes=True, **kwargs)
+                              share_prefixes=True, needed=batch["loss_mask"], **kwargs)  # actions only
 
     def _experience(self, chunk, **kw) -> dict:
         return self._batch(chunk, routing=self.routing_replay, image_token_id=self.image_token_id, **kw)
@@ -359,7 +359,7 @@ class RefWorker:
                 chunk = [samples[i] for i in idx]
                 batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
                                                      image_token_id=self.image_token_id), self.device)
-                logps = token_logprobs(model, batch, temperature, share_prefixes=True)
+                logps = token_logprobs(model, batch, temperature, share_prefixes=True, needed=batch["loss_mask"])
                 for i, row in zip(idx, per_sample(logps, batch, chunk)):
                     out[i] = row
         return out

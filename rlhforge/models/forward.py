@@ -252,6 +252,7 @@ def token_logprobs(
     share_prefixes: bool = False,
     return_entropy: bool = False,
     entropy_grad: bool = True,
+    needed: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """Per-token log-probs ``[B, T]`` (fp32) of ``batch["input_ids"]`` under ``model``.
 
@@ -282,6 +283,10 @@ def token_logprobs(
 
         return_entropy: also return the entropy ``[B, T]`` of the distribution that predicted each token
             (0 where the log-probs are 0), differentiable unless ``entropy_grad`` is False.
+        needed: ``[B, T]`` (packed: ``[1, N]``) mask of the tokens whose log-prob (and entropy) the caller
+            reads, e.g. RL's action mask: the lm_head runs on those positions only (a GRPO prompt is
+            often longer than its response) and every other position is 0. Ignored with
+            ``return_logits`` and in the bounded-rows packed layout. The values it keeps are unchanged.
 
     Without ``return_logits`` the full-vocabulary logits are never materialised: the lm_head runs
     chunk by chunk with recomputation in the backward (:mod:`rlhforge.models.chunked_head`; models
@@ -323,7 +328,14 @@ def token_logprobs(
         logits, kwargs["input_ids"] = layout.to_batch(logits, input_ids.shape), input_ids
     ids = kwargs["input_ids"]
     # position t predicts ids[:, t + 1]
-    if head is not None:
+    if head is not None and needed is not None and rows is None:
+        keep = needed[:, 1:].bool()  # position t predicts token t + 1
+        lp, ent = head_logprobs(head, logits[:, :-1][keep], ids[:, 1:][keep], temperature, entropy=return_entropy,
+                                entropy_grad=entropy_grad)
+        zero = logits.new_zeros(keep.shape, dtype=torch.float32)
+        shifted = zero.masked_scatter(keep, lp)
+        ent = zero.masked_scatter(keep, ent) if return_entropy else None
+    elif head is not None:
         shifted, ent = head_logprobs(head, logits[:, :-1], ids[:, 1:], temperature, entropy=return_entropy,
                                      entropy_grad=entropy_grad)
     else:
@@ -337,6 +349,8 @@ def token_logprobs(
         if return_logits:
             logits = rows.to_packed(logits)
     predicted = prediction_mask(batch).to(logprobs.dtype)
+    if needed is not None and not return_logits:
+        predicted = predicted * needed.to(predicted.dtype)
     logprobs = logprobs * predicted
     if return_entropy:  # 0 where nothing is predicted (a sample's first token, padding), as the log-probs
         entropy = entropy * predicted

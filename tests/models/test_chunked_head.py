@@ -87,3 +87,36 @@ def test_entropy_without_grad_and_no_grad_mode(family):
         again = token_logprobs(model, batch, 1.0)
     torch.testing.assert_close(again, lp.detach())
     assert model.get_output_embeddings() is chunked_head.head_for(model)[0] if chunked_head.head_for(model) else True
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_needed_positions_only(family, layout):
+    """``needed`` (RL's action mask): the head runs on those positions only; their log-probs, entropy and
+    the gradients of a loss over them equal the all-positions path; every other position is 0."""
+    arch, model = family
+    batch = _batches(model.config.vocab_size)[layout]
+    needed = torch.zeros_like(batch["input_ids"], dtype=torch.float32)
+    needed[..., 5:9] = 1.0
+    needed = needed * prediction_mask(batch).float()
+    model.zero_grad()
+    lp_all, ent_all = token_logprobs(model, batch, 0.7, return_entropy=True)
+    ((lp_all * needed).sum() + 0.3 * (ent_all * needed).sum()).backward()
+    g_all = _grads(model)
+    model.zero_grad()
+    rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(o.shape[0]))
+    try:
+        lp, ent = token_logprobs(model, batch, 0.7, return_entropy=True, needed=needed)
+    finally:
+        hook.remove()
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    g = _grads(model)
+    torch.testing.assert_close(lp, lp_all * needed, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(ent, ent_all * needed, atol=2e-6, rtol=1e-5)
+    assert torch.all(lp[needed == 0] == 0) and torch.all(ent[needed == 0] == 0)
+    for name in g_all:
+        torch.testing.assert_close(g[name], g_all[name], atol=2e-5, rtol=1e-4, msg=name)
+    # only the needed positions went through the head (Mistral packed: its sliding-window config takes the
+    # bounded-rows layout, where every position is computed and the others zeroed)
+    if chunked_head.head_for(model) is not None and not (arch == "mistral" and layout == "packed"):
+        assert rows and max(rows) == int(needed.sum())
