@@ -5,6 +5,7 @@
     python benchmarks/bench_vs_trl.py --sweep         # the full grid of the scaling plot
     python benchmarks/bench_vs_trl.py --work grpo --vllm --rounds 3
     python benchmarks/bench_vs_trl.py --precision bf16   # every side in bf16 (vs_trl_bf16.json)
+    python benchmarks/bench_vs_trl.py --preset vocab-real-small --shape ...  # real vocabulary (151936)
 
 Every side trains the same locally built model folder (Llama, hidden 256, 4 layers, ~1k vocab,
 head_dim 32) on the same data with the same batch shapes, on CPU, each run in a fresh process:
@@ -66,9 +67,20 @@ SWEEP = {"sft": [{"batch": b, "max_len": n} for b in (8, 64) for n in (128, 512,
 LR = 1e-5
 
 
-def build_model(path: Path) -> Path:
-    from rlhforge.models.tiny import TinyModelSpec, build_tiny_model
+#: --preset: the default small model, or a real shape from ``rlhforge tiny-model --preset`` (random weights)
+MODELS = {
+    "small": "Llama hidden 256, 4 layers, 8 heads (4 kv), vocab ~1000",
+    "vocab-real-small": "Qwen3 hidden 512, 4 layers, 8 heads (4 kv), vocab 151936, tied (~90M parameters)",
+    "qwen3-0.6b": "Qwen3-0.6B shape: hidden 1024, 28 layers, 16 heads (8 kv), head_dim 128, vocab 151936, tied",
+}
 
+
+def build_model(path: Path, preset: str = "small") -> Path:
+    from rlhforge.models.tiny import PRESETS, TinyModelSpec, build_tiny_model
+
+    if preset != "small":
+        arch, spec = PRESETS[preset]
+        return build_tiny_model(path, spec, seed=0, arch=arch)
     spec = TinyModelSpec(vocab_size=1000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4)
     return build_tiny_model(path, spec, seed=0)
@@ -307,6 +319,8 @@ def main(argv=None) -> int:
                         "'{\"batch\": 8, \"max_len\": 512}' (sft/dpo) or '{\"prompts\": 16, \"samples\": 8, "
                         "\"new_tokens\": 64}' (grpo); works it does not fit are skipped")
     parser.add_argument("--vllm", action="store_true", help="add rlhforge_vllm and rlhforge_vllm_packed (--vllm.num_engines 1) to GRPO")
+    parser.add_argument("--preset", dest="model_preset", choices=tuple(MODELS), default="small",
+                        help="the model shape (real-vocabulary presets: results go to vs_trl_<preset>.json)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 5; --quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps, not timed (default 3; --quick 1)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds; best kept (default 2; --quick 1)")
@@ -344,7 +358,8 @@ def main(argv=None) -> int:
         shape = json.loads(args.shape)
         grid = {w: [shape] for w, points in grid.items() if set(points[0]) == set(shape)}
         args.work = [w for w in args.work if w in grid]
-    suffix = "" if args.precision == "fp32" else f"_{args.precision}"
+    suffix = ("" if args.precision == "fp32" else f"_{args.precision}") + (
+        "" if args.model_preset == "small" else f"_{args.model_preset}")
     out = Path(args.out or HERE / "results" / (("vs_trl_quick" if args.quick else "vs_trl_sweep" if args.sweep
                                                 else "vs_trl") + suffix + ".json"))
     try:
@@ -354,7 +369,7 @@ def main(argv=None) -> int:
     except ImportError:
         trl_version = None
         print("trl is not installed (pip install -e '.[bench]'): running rlhforge and bare only")
-    results = {"setup": {"model": "Llama hidden 256, 4 layers, 8 heads (4 kv), vocab ~1000", "device": "cpu",
+    results = {"setup": {"model": MODELS[args.model_preset], "model_preset": args.model_preset, "device": "cpu",
                          "threads": args.threads, "cpus": os.cpu_count(), "steps_timed": steps, "warmup": warmup,
                          "rounds": rounds, "trl": trl_version, "lr": LR, "quick": args.quick,
                          "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
@@ -362,7 +377,7 @@ def main(argv=None) -> int:
     total = steps + warmup
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model_dir = str(build_model(tmp / "model"))
+        model_dir = str(build_model(tmp / "model", args.model_preset))
         for work in args.work:
             sides = ["trl", "rlhforge"] + (["rlhforge_packed"] + (["rlhforge_vllm", "rlhforge_vllm_packed"] if args.vllm else [])
                                            if work == "grpo" else []) + ["bare"]
