@@ -24,22 +24,28 @@ def args(model_dir, out):
             "--logger.progress_bar", "off"]
 
 
-@pytest.mark.slow
-def test_two_ranks_zero2_lora_match_one_process(tiny_model_dir, tmp_path):
+def _single_and_two_ranks(template: list[str], tmp_path: Path, *dist_extra: str, port_salt: int = 7):
+    """One process, then two torchrun ranks with ``dist_extra``: ``(single run dir, dist run dir, torchrun result)``."""
     single = tmp_path / "single"
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert train_dpo.main(args(tiny_model_dir, single)) == 0
+        assert train_dpo.main(args_for(template, single)) == 0
     finally:
         torch.set_num_threads(n)
     dist = tmp_path / "dist"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]), "TQDM_DISABLE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29500 + (os.getpid() + 7) % 1000), "-m", "rlhforge.cli.train_dpo", *args(tiny_model_dir, dist),
-           "--ds.zero_stage", "2"]
+           str(29500 + (os.getpid() + port_salt) % 1000), "-m", "rlhforge.cli.train_dpo", *args_for(template, dist),
+           *dist_extra]
     proc = run_torchrun(cmd, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return single, dist, proc
+
+
+@pytest.mark.slow
+def test_two_ranks_zero2_lora_match_one_process(tiny_model_dir, tmp_path):
+    single, dist, proc = _single_and_two_ranks(args(tiny_model_dir, tmp_path), tmp_path, "--ds.zero_stage", "2")
     assert "2 rank(s)" in proc.stdout and "adapter-disabled policy" in proc.stdout
     a, b = read_metrics(single), read_metrics(dist)
     assert len(a) == len(b) == 3
@@ -58,20 +64,7 @@ def test_two_ranks_zero3_partition_the_reference_and_match_one_process(tiny_mode
     full = args(tiny_model_dir, tmp_path)
     i = full.index("--ds.lora.rank")
     del full[i : i + 2]  # a separate reference (no LoRA)
-    single = tmp_path / "single"
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert train_dpo.main(args_for(full, single)) == 0
-    finally:
-        torch.set_num_threads(n)
-    dist = tmp_path / "dist"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]), "TQDM_DISABLE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29500 + (os.getpid() + 11) % 1000), "-m", "rlhforge.cli.train_dpo", *args_for(full, dist),
-           "--ds.zero_stage", "3"]
-    proc = run_torchrun(cmd, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    single, dist, proc = _single_and_two_ranks(full, tmp_path, "--ds.zero_stage", "3", port_salt=11)
     (line,) = [x for x in proc.stdout.splitlines() if "reference: separate model" in x]
     part = line.split("reference: separate model (deepspeed, ")[1]
     local, total = (int(x) for x in part.split(" parameters on this rank")[0].split(" of "))
