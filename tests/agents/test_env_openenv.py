@@ -75,6 +75,16 @@ class DigitEnv(Environment):
 
 @pytest.fixture(scope="module")
 def server():
+    yield from _serve()
+
+
+@pytest.fixture()
+def own_server():
+    """A server of its own (the hung-environment test leaves a sleeping step behind on the shared one)."""
+    yield from _serve()
+
+
+def _serve():
     import uvicorn
     from fastapi.responses import JSONResponse
 
@@ -186,7 +196,8 @@ def test_bad_flags_exit_2(tiny_model_dir, tmp_path, capsys):
 LR = "5e-2"
 
 
-def test_grpo_raises_the_environments_reward(server, tiny_model_dir, tmp_path, monkeypatch):
+def test_grpo_raises_the_environments_reward(own_server, tiny_model_dir, tmp_path, monkeypatch):
+    server = own_server
     seen = capture_trajectories(monkeypatch)
     data = write_prompts(tmp_path / "p.jsonl", [{"prompt": f"Say {i}.", "label": None} for i in range(32)])
     out = tmp_path / "run"

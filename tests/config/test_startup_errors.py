@@ -187,7 +187,8 @@ def test_waiting_for_a_server_that_starts_late(capsys):
 
     port = _free_port()
     handles = []
-    timer = threading.Timer(1.0, lambda: handles.append(start_server_thread(_tiny_app(), port=port)))
+    # late enough that the probe has failed at least once even on a loaded machine
+    timer = threading.Timer(5.0, lambda: handles.append(start_server_thread(_tiny_app(), port=port)))
     timer.start()
     try:
         with pytest.raises(SystemExit) as exc:
