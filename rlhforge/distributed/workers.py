@@ -142,10 +142,11 @@ class ActorWorker(TrainableWorker):
             from rlhforge.backend.context_parallel import ring_token_logprobs
 
             out = ring_token_logprobs(self.model, batch, self.ring, temperature, return_logits=return_entropy)
+            keep = batch["loss_mask"].to(torch.float32)  # as off the ring: the action tokens' values only
             if not return_entropy:
-                return out
+                return out * keep
             logp, logits = out
-            return logp, shifted_entropy(logits if entropy_grad else logits.detach(), temperature)
+            return logp * keep, shifted_entropy(logits if entropy_grad else logits.detach(), temperature) * keep
         return token_logprobs(self.model, batch, temperature, return_entropy=return_entropy, entropy_grad=entropy_grad,
                               share_prefixes=True, needed=batch["loss_mask"], **kwargs)  # actions only
 
