@@ -123,7 +123,7 @@ def build_executor(cfg, tokenizer, reward_source):
         ex = build_env_adapter(cfg, tokenizer)
         return ex.configure(tokenizer=tokenizer, reward_source=reward_source, settings=AgentSettings.from_config(cfg))
     if not path:
-        return SingleTurnExecutor(tokenizer, reward_source)
+        return SingleTurnExecutor(tokenizer, reward_source, check_tokens=cfg.train.check_tokens)
     from rlhforge.agents.builtin_envs import configure_sandbox
 
     try:  # this run's setting (None: back to $RLHFORGE_SANDBOX_URL, else a local sandbox)

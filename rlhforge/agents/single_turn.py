@@ -34,8 +34,11 @@ class PromptRequest:
 
 
 class SingleTurnExecutor:
-    def __init__(self, tokenizer, reward_source):
+    def __init__(self, tokenizer, reward_source, *, check_tokens: bool = False):
         self.tokenizer, self.reward_source = tokenizer, reward_source
+        # --train.check_tokens: record each generation call (Trajectory.engine_turns) for the token
+        # checker (agents.token_check); off, engine_turns stays None, as with the other executors
+        self.check_tokens = check_tokens
 
     async def execute(self, request: PromptRequest, sampling: SamplingParams, engine) -> Trajectory:
         return (await self.execute_batch([request], [sampling], engine))[0]
@@ -56,7 +59,8 @@ class SingleTurnExecutor:
                 rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason, label=req.label,
                 datasource=req.datasource, prompt_index=req.prompt_index, sample_index=req.sample_index,
                 routed_experts=out.extra.get("routed_experts"), vision=req.vision,
-                engine_turns=[EngineTurn(tuple(req.prompt_ids), tuple(out.token_ids), tuple(out.logprobs))],
+                engine_turns=[EngineTurn(tuple(req.prompt_ids), tuple(out.token_ids), tuple(out.logprobs))]
+                if self.check_tokens else None,
             ))
         return trajs
 

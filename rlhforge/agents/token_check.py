@@ -1,9 +1,9 @@
 """Multi-turn token checker: what is trained on is exactly what the engine saw and produced.
 
 Every generation call of an episode is recorded as an :class:`EngineTurn` when
-``--train.check_tokens`` is on (tests always record): the token ids the engine was given, the ids
-it produced (what the episode kept) and their log-probs. :func:`check_trajectory` then proves,
-turn by turn, for any chat template and environment:
+``--train.check_tokens`` is on (every executor; tests that check turns turn it on): the token ids
+the engine was given, the ids it produced (what the episode kept) and their log-probs.
+:func:`check_trajectory` then proves, turn by turn, for any chat template and environment:
 
 - the engine's input for turn *k* is exactly the trajectory's tokens before action span *k*
   (no re-tokenisation drift: feedback is appended as tokens, never by decoding the conversation

@@ -84,7 +84,8 @@ class RLTrainer(RLCheckpointing):  # checkpoints, resume, fault accounting: trai
         self.prompts, self.eval_prompts = prompts, eval_prompts
         self.actor, self.ref, self.critic = actor, ref, critic  # worker groups (critic/ref may be None)
         self.engine, self.logger, self.run_dir = engine, logger, Path(run_dir)
-        self.executor = executor or SingleTurnExecutor(tokenizer, reward_source)  # agents: agents/loader.py
+        self.executor = executor or SingleTurnExecutor(  # agents: agents/loader.py
+            tokenizer, reward_source, check_tokens=cfg.train.check_tokens)
         self.state = RLState()
         self.guard = rl_guard(cfg)  # SIGTERM/SIGINT, non-finite steps, checkpoint write errors (trainers/faults.py)
         kl = cfg.algo.kl

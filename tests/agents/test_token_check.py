@@ -20,12 +20,12 @@ import pytest
 from rlhforge.agents import AgentInstanceBase, AgentSettings, MultiTurnAgentExecutor
 from rlhforge.agents.multi_turn import chat_feedback
 from rlhforge.agents.openai_server import OpenAIServerAgentExecutor
-from rlhforge.agents.single_turn import PromptRequest
+from rlhforge.agents.single_turn import PromptRequest, SingleTurnExecutor
 from rlhforge.agents.token_check import EngineTurn, TokenDriftError, check_trajectory, check_training_rows
 from rlhforge.agents.types import Trajectory
 from rlhforge.cli.train_ppo_ray import main as rl_main
 from rlhforge.models.tiny import ARCHS, TinyModelSpec, build_tiny_model
-from rlhforge.rollout.engine import SamplingParams
+from rlhforge.rollout.engine import GenerationOutput, SamplingParams
 from rlhforge.rollout.hf_engine import HFEngine
 from tests.agents.agent_helpers import agent_args, metrics, write_prompts
 
@@ -93,6 +93,33 @@ def test_cut_at_the_budget_and_row_drift():
         check_training_rows([traj], [(traj.token_ids, [0, 0, 0, 1, 1, 1, 0, 1, 1, 1], rollout)])
     with pytest.raises(TokenDriftError, match="differs from the trajectory at position 2"):
         check_training_rows([traj], [([1, 2, 9] + traj.token_ids[3:], [0, 0, 0, 1, 1, 0, 0, 1, 1, 1], rollout)])
+
+
+class _EchoEngine:
+    """Answers each prompt with its last two ids reversed."""
+
+    async def generate(self, prompts, sampling, vision=None):
+        return [GenerationOutput(token_ids=p[-2:][::-1], logprobs=[-0.5, -0.25], finish_reason="stop") for p in prompts]
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_single_turn_records_engine_turns_only_with_check_tokens(check):
+    from rlhforge.agents.loader import build_executor
+    from rlhforge.cli.train_ppo_ray import parse_rl_args
+
+    flag = ["--train.check_tokens"] if check else []
+    cfg = parse_rl_args(["--actor.model_name_or_path", "m", "--data.prompt_dataset", "x.jsonl", *flag], validate=False)
+    executor = build_executor(cfg, None, None)  # no agent: the single-turn executor, told the flag
+    assert isinstance(executor, SingleTurnExecutor) and executor.check_tokens is check
+    reqs = [PromptRequest([1, 2, 3], prompt_index=i) for i in range(2)]
+    trajs = asyncio.run(executor.generate(reqs, [SamplingParams(max_new_tokens=2)] * 2, _EchoEngine()))
+    for traj in trajs:
+        assert traj.token_ids == [1, 2, 3, 3, 2] and traj.action_ranges == [(3, 5)]
+        if not check:
+            assert traj.engine_turns is None
+            continue
+        assert traj.engine_turns == [EngineTurn((1, 2, 3), (3, 2), (-0.5, -0.25))]
+        assert check_trajectory(traj, traj.engine_turns) == 1
 
 
 # ------------------------------------------------------------------------ every family, real engines
