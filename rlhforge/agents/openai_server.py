@@ -44,7 +44,6 @@ may also come as header ``X-Session-Id`` or body field ``session_id``), ``GET /v
 have the standard shape plus ``token_ids: {prompt_token_ids, completion_token_ids}``.
 """
 
-# no `from __future__ import annotations`: FastAPI resolves the handlers' `Request` annotations at runtime
 import asyncio
 import inspect
 import socket
@@ -55,18 +54,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor, turn_seed
+from rlhforge.agents.http_routes import _HTTPError, add_generation_route
 from rlhforge.agents.values import _float_logs, to_float
 from rlhforge.agents.types import Trajectory
 from rlhforge.agents.token_check import EngineTurn
 from rlhforge.rollout.engine import SamplingParams
 
 __all__ = ["ChatServer", "ChatSession", "OpenAIServerAgentExecutor"]
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 @dataclass
@@ -106,6 +100,22 @@ class ChatSession:
             self.discarded_tokens += sum(e - s for s, e in self.action_ranges)
         self.tokens, self.prompt_len = list(ids), len(ids)
         self.action_ranges, self.logprobs, self.turns = [], [], []
+
+    def extend(self, delta: list[int]) -> None:
+        """Append environment feedback (new prompt tokens after the recorded ones; mask 0)."""
+        self.tokens.extend(delta)
+        self.env_tokens += len(delta)
+
+    def record(self, prompt_ids, ids: list[int], lps, finish: str) -> None:
+        """Append one generation call: the engine saw ``prompt_ids`` and produced ``ids`` (an action
+        span) with log-probs ``lps``."""
+        self.turns.append(EngineTurn(tuple(prompt_ids), tuple(ids), tuple(float(x) for x in lps)))
+        start = len(self.tokens)
+        self.tokens.extend(ids)
+        if ids:
+            self.action_ranges.append((start, start + len(ids)))
+        self.logprobs.extend(float(x) for x in lps)
+        self.last_finish = finish
 
 
 def _free_socket() -> socket.socket:
@@ -219,16 +229,29 @@ class ChatServer:
             return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
                                          clean_up_tokenization_spaces=False)
 
-    # -- the chat call --------------------------------------------------------------------------
-    async def chat(self, body: dict, sid: str | None) -> dict:
-        sid = sid or body.get("session_id")
-        if not sid:
-            raise _HTTPError(400, "no session: use the client passed to run_agent (its base URL names the session)")
+    # -- shared by the generation routes ---------------------------------------------------------
+    def _session(self, sid: str) -> ChatSession:
+        """The open session ``sid`` (HTTP 404 when there is none), its lock made on first use."""
         sess = self.sessions.get(sid)
         if sess is None:
             raise _HTTPError(404, f"unknown or finished session {sid!r}")
         if sess.lock is None:
             sess.lock = asyncio.Lock()
+        return sess
+
+    async def _engine_generate(self, prompt_ids, sp: SamplingParams):
+        """One engine call on the bound loop (HTTP 503 when no rollout is in progress)."""
+        if self._generate is None or self._loop is None:
+            raise _HTTPError(503, "the server is not bound to a generation engine (no rollout in progress)")
+        fut = asyncio.run_coroutine_threadsafe(self._generate(list(prompt_ids), sp), self._loop)
+        return await asyncio.wrap_future(fut)
+
+    # -- the chat call --------------------------------------------------------------------------
+    async def chat(self, body: dict, sid: str | None) -> dict:
+        sid = sid or body.get("session_id")
+        if not sid:
+            raise _HTTPError(400, "no session: use the client passed to run_agent (its base URL names the session)")
+        sess = self._session(sid)
         async with sess.lock:
             return await self._chat(sess, body)
 
@@ -257,9 +280,7 @@ class ChatServer:
         else:
             recorded = self._decode(sess.tokens)
             if text.startswith(recorded):
-                delta = self._encode(text[len(recorded):])
-                sess.tokens.extend(delta)
-                sess.env_tokens += len(delta)
+                sess.extend(self._encode(text[len(recorded):]))
             elif sess.prefix_mismatch == "new_segment":
                 sess.start_segment(self._encode(text))
             else:
@@ -282,21 +303,12 @@ class ChatServer:
             if body.get("top_p") is not None:
                 over["top_p"] = float(body["top_p"])
             sp = replace(sp, max_new_tokens=max_new, seed=turn_seed(sess.sampling.seed, sess.calls), **over)
-            if self._generate is None or self._loop is None:
-                raise _HTTPError(503, "the server is not bound to a generation engine (no rollout in progress)")
-            fut = asyncio.run_coroutine_threadsafe(self._generate(prompt_ids, sp), self._loop)
-            out = await asyncio.wrap_future(fut)
+            out = await self._engine_generate(prompt_ids, sp)
             ids, lps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
             stops = body.get("stop")
             if stops:
                 ids, lps, finish = self._apply_stop(ids, lps, finish, [stops] if isinstance(stops, str) else stops)
-            sess.turns.append(EngineTurn(tuple(prompt_ids), tuple(ids), tuple(float(x) for x in lps)))
-            start = len(sess.tokens)
-            sess.tokens.extend(ids)
-            if ids:
-                sess.action_ranges.append((start, start + len(ids)))
-            sess.logprobs.extend(float(x) for x in lps)
-            sess.last_finish = finish
+            sess.record(prompt_ids, ids, lps, finish)
         sess.calls += 1
         content = self._decode(self._strip_stop(ids, sess.sampling))
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": content},
@@ -338,42 +350,28 @@ class ChatServer:
         return ids[:keep], lps[:keep], "stop"
 
     # -- app ------------------------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        """This server's entry in ``GET /v1/models``."""
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlhforge"}
+
+    def _add_routes(self, app) -> None:
+        """The chat route (:func:`add_generation_route`); a subclass adds its own after these."""
+        server = self
+
+        async def completions(body: dict, sid: str | None, request):
+            return await server.chat(body, sid or request.headers.get("x-session-id"))
+
+        add_generation_route(app, "/v1/chat/completions", completions, error_type="invalid_request_error")
+
     def _build_app(self):
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
+        from fastapi import FastAPI
 
         app = FastAPI(title="rlhforge OpenAI-compatible rollout server")
         server = self
-
-        def err(status: int, message: str):
-            return JSONResponse(status_code=status, content={"error": {"message": message, "type": "invalid_request_error",
-                                                                       "code": status}})
-
-        async def completions(request: Request, sid: str | None = None):
-            try:
-                body = await request.json()
-            except Exception:  # noqa: BLE001
-                return err(400, "the body must be JSON")
-            if not isinstance(body, dict):
-                return err(400, "the body must be a JSON object")
-            try:
-                return await server.chat(body, sid or request.headers.get("x-session-id"))
-            except _HTTPError as e:
-                return err(e.status, e.message)
-            except Exception as e:  # noqa: BLE001 - the agent sees a 500 with the reason
-                return err(500, f"{type(e).__name__}: {e}")
-
-        @app.post("/v1/chat/completions")
-        async def chat_plain(request: Request):
-            return await completions(request)
-
-        @app.post("/sessions/{sid}/v1/chat/completions")
-        async def chat_session(sid: str, request: Request):
-            return await completions(request, sid)
+        self._add_routes(app)
 
         def models():
-            return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                                "owned_by": "rlhforge"}]}
+            return {"object": "list", "data": [server._model_card()]}
 
         app.get("/v1/models")(models)
         app.get("/sessions/{sid}/v1/models")(lambda sid: models())

@@ -33,15 +33,13 @@ with ``finish_reason="length"``. ``/inference/v1/generate`` without a session ge
 recording. ``GET /v1/models`` reports ``max_model_len`` (``--data.max_len``) when set.
 """
 
-# no `from __future__ import annotations`: FastAPI resolves the handlers' `Request` annotations at runtime
-import asyncio
 import math
 import time
 import uuid
 from dataclasses import replace
 
-from rlhforge.agents.openai_server import ChatServer, ChatSession, _HTTPError
-from rlhforge.agents.token_check import EngineTurn
+from rlhforge.agents.http_routes import _HTTPError, add_generation_route
+from rlhforge.agents.openai_server import ChatServer, ChatSession
 from rlhforge.agents.episode import turn_seed
 
 __all__ = ["TokenServer"]
@@ -83,20 +81,14 @@ class TokenServer(ChatServer):
         if sid is None:
             sess = ChatSession("", self._default_sampling(), budget=10**9, max_len=self.max_model_len)
             return await self._generate_tokens(sess, ids, sp_body, over, body, record=False)
-        sess = self.sessions.get(sid)
-        if sess is None:
-            raise _HTTPError(404, f"unknown or finished session {sid!r}")
-        if sess.lock is None:
-            sess.lock = asyncio.Lock()
+        sess = self._session(sid)
         async with sess.lock:
             if sess.error:
                 raise _HTTPError(400, f"session failed earlier: {sess.error}")
             if sess.tokens is None:
                 sess.start_segment(ids)
             elif ids[: len(sess.tokens)] == sess.tokens:
-                delta = ids[len(sess.tokens):]
-                sess.tokens.extend(delta)
-                sess.env_tokens += len(delta)
+                sess.extend(ids[len(sess.tokens):])
             elif sess.prefix_mismatch == "new_segment":
                 sess.start_segment(ids)
             else:
@@ -128,21 +120,12 @@ class TokenServer(ChatServer):
             base = sess.sampling
             sp = replace(base, max_new_tokens=max_new, stop_token_ids=tuple(dict.fromkeys(base.stop_token_ids + stops)),
                          seed=turn_seed(base.seed, sess.calls) if seed is None else int(seed), **over)
-            if self._generate is None or self._loop is None:
-                raise _HTTPError(503, "the server is not bound to a generation engine (no rollout in progress)")
-            fut = asyncio.run_coroutine_threadsafe(self._generate(list(prompt_ids), sp), self._loop)
-            out = await asyncio.wrap_future(fut)
+            out = await self._engine_generate(prompt_ids, sp)
             ids, lps, finish = list(out.token_ids), [float(x) for x in out.logprobs], out.finish_reason
             if len(ids) != len(lps) or not all(math.isfinite(x) for x in lps):
                 raise _HTTPError(500, f"the engine returned {len(ids)} tokens with {len(lps)} log-probs")
             if record:
-                sess.turns.append(EngineTurn(tuple(prompt_ids), tuple(ids), tuple(lps)))
-                start = len(sess.tokens)
-                sess.tokens.extend(ids)
-                if ids:
-                    sess.action_ranges.append((start, start + len(ids)))
-                sess.logprobs.extend(lps)
-                sess.last_finish = finish
+                sess.record(prompt_ids, ids, lps, finish)
         sess.calls += 1
         content = [{"token_id": t, "token": f"token_id:{t}", "logprob": lp, "top_logprobs": []}
                    for t, lp in zip(ids, lps)]
@@ -155,47 +138,17 @@ class TokenServer(ChatServer):
                       "total_tokens": len(prompt_ids) + len(ids)},
         }
 
-    def _build_app(self):
-        from fastapi import Request
-        from fastapi.responses import JSONResponse
+    def _model_card(self) -> dict:
+        card = super()._model_card()
+        if self.max_model_len:
+            card["max_model_len"] = self.max_model_len
+        return card
 
-        app = super()._build_app()
+    def _add_routes(self, app) -> None:
+        super()._add_routes(app)
         server = self
 
-        def err(status: int, message: str):
-            return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
+        async def generate(body: dict, sid: str | None, request):
+            return await server.token_generate(body, sid)
 
-        async def generate(request: Request, sid: str | None = None):
-            try:
-                body = await request.json()
-            except Exception:  # noqa: BLE001
-                return err(400, "the body must be JSON")
-            if not isinstance(body, dict):
-                return err(400, "the body must be a JSON object")
-            try:
-                return await server.token_generate(body, sid)
-            except _HTTPError as e:
-                return err(e.status, e.message)
-            except Exception as e:  # noqa: BLE001 - the caller sees the reason
-                return err(500, f"{type(e).__name__}: {e}")
-
-        @app.post("/inference/v1/generate")
-        async def generate_plain(request: Request):
-            return await generate(request)
-
-        @app.post("/sessions/{sid}/inference/v1/generate")
-        async def generate_session(sid: str, request: Request):
-            return await generate(request, sid)
-
-        def models():
-            card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "rlhforge"}
-            if server.max_model_len:
-                card["max_model_len"] = server.max_model_len
-            return {"object": "list", "data": [card]}
-
-        # ChatServer's model list, replaced by one that also names max_model_len
-        paths = ("/v1/models", "/sessions/{sid}/v1/models")
-        app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in paths]
-        app.get("/v1/models")(models)
-        app.get("/sessions/{sid}/v1/models")(lambda sid: models())
-        return app
+        add_generation_route(app, "/inference/v1/generate", generate)
