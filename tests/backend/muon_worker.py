@@ -52,8 +52,30 @@ def run(model_dir: str, spec: str, optim: str, steps: int, lr: float = 0.02, max
     return {"losses": losses, "params": strategy.full_state_dict()}
 
 
+def deepspeed_reference(model_dir: str, lr: float = 0.02) -> dict:
+    """One Muon step recomputed outside ZeRO: the plain-torch gradient of the fixed batch through DeepSpeed's
+    own ``muon_update`` (zero momentum, its default fp16 "gram" Newton-Schulz), ``param - lr * update`` for
+    the Muon matrices. ZeRO-2 and ZeRO-3 must each land on it within that Newton-Schulz's precision."""
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+    from transformers import AutoModelForCausalLM
+
+    from rlhforge.backend.optim import muon_param_split
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    ids, attn = fixed_batch(model.config.vocab_size)
+    mean_nll(model, ids, attn).backward()
+    named = dict(model.named_parameters())
+    muon, _ = muon_param_split(model)
+    with torch.no_grad():
+        params = {n: named[n] - lr * muon_update(named[n].grad.clone(), torch.zeros_like(named[n]), beta=0.95,
+                                                 ns_method="gram") for n in muon}
+    return {"losses": [], "params": params}
+
+
 if __name__ == "__main__":
     model_dir, out, optim, steps = sys.argv[1:5]
-    results = {spec: run(model_dir, spec, optim, int(steps)) for spec in sys.argv[5:]}
+    results = {spec: deepspeed_reference(model_dir) if spec == "deepspeed_reference" else run(model_dir, spec, optim, int(steps))
+               for spec in sys.argv[5:]}
     if int(os.environ.get("RANK", 0)) == 0:
         torch.save(results, out)
