@@ -1,4 +1,5 @@
-"""The vLLM generation engine (``--vllm.num_engines N``) and a router over several engines.
+"""The vLLM generation engine (``--vllm.num_engines N``); several engines stand behind an
+:class:`~rlhforge.rollout.engine_router.EngineRouter` (importable from here too).
 
 :class:`VLLMEngine` implements the same ``GenerationEngine`` protocol as
 :class:`~rlhforge.rollout.hf_engine.HFEngine`, with the same meaning for every field:
@@ -60,6 +61,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.engine_router import EngineRouter, named_pairs
 from rlhforge.rollout.vllm_compat import check_vllm_api, load_ipc_payload, reset_after_sync, vllm_api_signatures
 from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes, user_kv_cache_space
 from rlhforge.rollout.vllm_process import cpu_eager, freeze_heap
@@ -103,11 +105,6 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         size += n
     if bucket:
         yield bucket
-
-
-def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
-    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-    return [(str(k), v) for k, v in items]
 
 
 class VLLMEngine:
@@ -250,7 +247,7 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
                        fingerprint: bool = False) -> None:
-        pairs = _pairs(named_tensors)
+        pairs = named_pairs(named_tensors)
         with self._lock, self._engine_threads():
             self._wake_weights()
             if self.in_process:
@@ -405,82 +402,6 @@ def _routing_record(routed, total: int) -> torch.Tensor:
     out = torch.full((total, *rec.shape[1:]), -1, dtype=torch.int16)
     out[: total - 1] = rec[: total - 1]
     return out
-
-
-class EngineRouter:
-    """Several engines behind one ``GenerationEngine``: each request goes to the least-loaded engine.
-
-    A batch is split by prompt: requests with the same prompt ids (the samples of one GRPO group)
-    stay together on one engine (its prefix cache then serves them), and each group goes to the
-    engine whose outstanding work (prompt + max new tokens, in flight plus already assigned in this
-    batch) is smallest. The sub-batches run concurrently; outputs come back in request order.
-    ``update_weights``, ``sleep`` and ``wake_up`` go to every engine.
-    """
-
-    def __init__(self, engines: Sequence):
-        if not engines:
-            raise ValueError("EngineRouter needs at least one engine")
-        self.engines = list(engines)
-
-    def assign(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[int]:
-        """Engine index of each request."""
-        load = [float(getattr(e, "load", 0)) for e in self.engines]
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, p in enumerate(prompts):
-            groups.setdefault(tuple(p), []).append(i)
-        out = [0] * len(prompts)
-        # biggest groups first (longest-processing-time rule), ties by first appearance
-        for key, members in sorted(groups.items(), key=lambda kv: -sum(len(kv[0]) + params[i].max_new_tokens
-                                                                       for i in kv[1])):
-            work = sum(len(key) + params[i].max_new_tokens for i in members)
-            target = min(range(len(self.engines)), key=lambda j: (load[j], j))
-            load[target] += work
-            for i in members:
-                out[i] = target
-        return out
-
-    async def generate(self, prompts, params, vision: Sequence | None = None) -> list[GenerationOutput]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if vision is not None and len(vision) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(vision)} image entries")
-        where = self.assign(prompts, params)
-        jobs, index = [], []
-        for j, engine in enumerate(self.engines):
-            idx = [i for i, w in enumerate(where) if w == j]
-            if idx:
-                index.append(idx)
-                sub = {} if vision is None else {"vision": [vision[i] for i in idx]}
-                jobs.append(engine.generate([prompts[i] for i in idx], [params[i] for i in idx], **sub))
-        results = await asyncio.gather(*jobs)
-        out: list[GenerationOutput | None] = [None] * len(prompts)
-        for idx, res in zip(index, results):
-            for i, o in zip(idx, res):
-                out[i] = o
-        return out  # type: ignore[return-value]
-
-    def update_weights(self, named_tensors) -> None:
-        pairs = _pairs(named_tensors)
-        for engine in self.engines:
-            engine.update_weights(pairs)
-
-    def sync_reports(self) -> list[tuple[str, list]]:
-        """``(engine name, its workers' reports)`` of the last sync, for every engine."""
-        return [(f"{name} {i}", reps) for i, e in enumerate(self.engines) for name, reps in e.sync_reports()]
-
-    def sleep(self) -> None:
-        for engine in self.engines:
-            engine.sleep()
-
-    def wake_up(self) -> None:
-        for engine in self.engines:
-            engine.wake_up()
-
-    def close(self) -> None:
-        for engine in self.engines:
-            getattr(engine, "close", lambda: None)()
 
 
 def vllm_dtype(param_dtype: str, cpu: bool) -> str:
