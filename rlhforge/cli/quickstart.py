@@ -1,8 +1,9 @@
 """``rlhforge quickstart``: the README's main job on the embedded default.
 
 Builds a tiny model and tokenizer, measures held-out accuracy on the test split of a built-in task
-(default ``larger``: "Which is larger: (12,7)?" -> "12"), warm-starts it with a *brief* SFT on the
-task's training split (enough to learn the answer format, not the task), then trains it with GRPO
+(default ``larger``: "Which is larger: (12,7)?" -> "12"), warm-starts it with SFT on the task's training
+prompts whose completions show the answer format and never the answer (``--sft_labels format``: one of the
+question's two numbers at random, so SFT alone stays near chance), then trains it with GRPO
 through the RL trainer (``rlhforge rl``: group_norm advantages, PPO clip, the task's exact-answer
 reward) on CPU. Accuracy is measured after each stage, greedy and as sampled pass@1 (temperature 1,
 mean over ``eval_samples`` samples per problem), and written to a report (``report.md``,
@@ -39,8 +40,13 @@ class QuickstartArgs:
     """Tiny model width (head_dim stays 32: heads = hidden_size / 32)."""
     layers: int = 2
     """Tiny model depth."""
-    sft_steps: int = 140
-    """Optimizer steps of the SFT warm start (brief on purpose: it teaches the answer format; RL does the rest)."""
+    sft_labels: str = "format"
+    """What the SFT warm start's completions are: ``format`` (default): the answer format only, never the
+    answer: for ``larger`` one of the question's two numbers picked at random, for other tasks the answer of
+    another, random problem; SFT alone cannot learn the task from them, so the change SFT only -> SFT + GRPO is
+    RL's. ``answer``: the true answers (supervised learning of the task itself)."""
+    sft_steps: int = 400
+    """Optimizer steps of the SFT warm start (it teaches the answer format; RL does the rest)."""
     sft_batch_size: int = 32
     """Samples per SFT step."""
     sft_lr: float = 2e-3
@@ -53,7 +59,7 @@ class QuickstartArgs:
     """Samples per prompt (rollout.n_samples_per_prompt)."""
     updates_per_rollout: int = 2
     """Optimizer steps per rollout (train.batch_size = rollout samples / this)."""
-    rl_lr: float = 5e-4
+    rl_lr: float = 1e-3
     """Peak GRPO learning rate."""
     kl_coef: float = 0.0
     """KL coefficient to the SFT model (0: no reference model, the usual GRPO-on-verifiable-rewards choice)."""
@@ -83,6 +89,30 @@ def _spec(args: QuickstartArgs, split: str, n: int) -> str:
     from rlhforge.data.builtin import builtin_spec
 
     return builtin_spec(args.task, split, n, args.seed, args.task_params)
+
+
+def format_only_records(args: QuickstartArgs) -> list[dict]:
+    """The SFT warm start's records with ``--sft_labels format``: the task's train records, each completion
+    replaced by an answer-shaped string that is not the answer's function of the prompt (``larger``: one of
+    the question's two numbers, picked with a seeded coin; other tasks: the answer of a random other record)."""
+    import random
+    import re
+
+    from rlhforge.data.builtin import generate_builtin, parse_builtin_spec
+
+    spec = parse_builtin_spec(_spec(args, "train", args.train_records))
+    params = {k: v for k, v in spec.params.items() if k not in ("n", "seed")}
+    records = generate_builtin(args.task, "train", n=args.train_records, seed=args.seed, **params)
+    rng = random.Random(args.seed * 7919 + 17)
+    answers = [r["completion"] for r in records]
+    out = []
+    for r in records:
+        if args.task == "larger":
+            completion = rng.choice(re.findall(r"\d+", r["prompt"]))
+        else:
+            completion = answers[rng.randrange(len(answers))]
+        out.append({"prompt": r["prompt"], "completion": completion})
+    return out
 
 
 def held_out_records(args: QuickstartArgs) -> list[dict]:
@@ -143,7 +173,9 @@ def write_report(run_dir: Path, args: QuickstartArgs, acc: dict, seconds: dict, 
             "rollout/group_reward_std"]
     plot = plot_curves(metrics, keys, run_dir / "curves.png")
     sft_plot = plot_curves(read_metrics(run_dir / "sft"), ["train/loss"], run_dir / "sft_loss.png")
-    stages = [("before", "tiny model, untrained"), ("sft", f"after SFT warm start ({args.sft_steps} steps) = SFT only"),
+    taught = "the answer format only" if args.sft_labels == "format" else "the true answers"
+    stages = [("before", "tiny model, untrained"),
+              ("sft", f"after SFT warm start ({args.sft_steps} steps, {taught}) = SFT only"),
               ("rl", f"after SFT + GRPO ({args.rl_steps} steps)")]
     g = {k: acc[k]["accuracy"] for k, _ in stages}
     p = {k: acc[k].get("pass1_sampled", float("nan")) for k, _ in stages}
@@ -165,7 +197,10 @@ def write_report(run_dir: Path, args: QuickstartArgs, acc: dict, seconds: dict, 
         f"({g['rl'] - g['sft']:+.3f}), sampled pass@1 **{p['sft']:.3f} -> {p['rl']:.3f}** ({p['rl'] - p['sft']:+.3f}).",
         "",
         f"- model: tiny Llama, hidden {args.hidden_size}, {args.layers} layers, {args.hidden_size // 32} heads",
-        f"- SFT: {args.sft_steps} steps x {args.sft_batch_size} samples, lr {args.sft_lr}",
+        f"- SFT: {args.sft_steps} steps x {args.sft_batch_size} samples, lr {args.sft_lr}, completions: "
+        + ("one of the question's two numbers at random (the format, never which one: SFT alone stays near chance, "
+           "so the gain after it is RL's)" if args.sft_labels == "format" and args.task == "larger" else
+           "answers of other, random problems (the format only)" if args.sft_labels == "format" else "the true answers"),
         f"- GRPO: {args.rl_steps} steps x {args.rl_prompts} prompts x {args.group_size} samples, "
         f"{args.updates_per_rollout} optimizer steps per rollout, lr {args.rl_lr}, KL coef {args.kl_coef}, "
         f"temperature 1, max {args.max_new_tokens} new tokens, seed {args.seed}",
@@ -220,6 +255,9 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
 
         return vlm_main(argv, prog=prog)
     args = tyro.cli(QuickstartArgs, args=argv, prog=prog, use_underscores=True)
+    if args.sft_labels not in ("format", "answer"):
+        print(f"{prog}: error: --sft_labels {args.sft_labels!r}: use 'format' or 'answer'", file=sys.stderr)
+        return 2
     torch.set_num_threads(max(1, args.threads))
 
     from rlhforge.cli.train_ppo_ray import run as run_rl
@@ -255,9 +293,16 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
     print(f"[rlhforge] quickstart: held-out accuracy {show('untrained', acc['before'])}", flush=True)
 
     t = time.time()
+    if args.sft_labels == "format":
+        sft_data = run_dir / "sft_format_only.jsonl"
+        with open(sft_data, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in format_only_records(args))
+        sft_dataset = str(sft_data)
+    else:
+        sft_dataset = _spec(args, "train", args.train_records)
     sft = SFTConfig(
         model=SFTModelConfig(model_name_or_path=str(base)),
-        data=SFTDataConfig(dataset=_spec(args, "train", args.train_records), input_key="prompt",
+        data=SFTDataConfig(dataset=sft_dataset, input_key="prompt",
                            output_key="completion", apply_chat_template=True, max_len=64),
         train=TrainConfig(batch_size=args.sft_batch_size, micro_batch_size=args.sft_batch_size, max_epochs=1,
                           max_steps=args.sft_steps, seed=args.seed),

@@ -75,6 +75,47 @@ def test_quickstart_smoke(tmp_path):
             "eval/pass1"} <= logged
 
 
+def test_format_only_sft_records_hide_the_answer():
+    """--sft_labels format (the default): every SFT completion is one of the question's two numbers, picked by
+    a seeded coin, so about half are the answer and the labels carry no comparison; prompts are the task's."""
+    from rlhforge.cli.quickstart import QuickstartArgs, format_only_records
+    from rlhforge.data.builtin import generate_builtin
+
+    args = QuickstartArgs(train_records=2000)
+    records = format_only_records(args)
+    truth = generate_builtin("larger", "train", n=2000, seed=0, max=49)
+    assert [r["prompt"] for r in records] == [r["prompt"] for r in truth]
+    hits = 0
+    for r, t in zip(records, truth):
+        a, b = r["prompt"].split("(")[1].rstrip(")?").split(",")
+        assert r["completion"] in (a, b)
+        hits += r["completion"] == t["answer"]
+    assert 0.45 < hits / len(records) < 0.55  # a fair coin over 2000 records (binomial sd 0.011)
+    assert format_only_records(args) == records  # seeded: the same records every time
+
+
+def test_committed_numbers_are_what_the_defaults_produce(tmp_path):
+    """benchmarks/results/quickstart.json (quoted by README.md and docs/rl.md) was written with the current
+    defaults, and its seed-0 run is what `rlhforge quickstart --seed 0` produces now: the run is deterministic
+    (1 torch thread, seeded data, model, sampling), so a change of defaults or of the training path that moves
+    the numbers fails here until `python benchmarks/bench_quickstart.py` is rerun."""
+    import dataclasses
+    from pathlib import Path
+
+    from rlhforge.cli.quickstart import QuickstartArgs
+
+    committed = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "quickstart.json").read_text())
+    defaults = {f.name: f.default for f in dataclasses.fields(QuickstartArgs) if f.name not in ("out", "seed")}
+    assert committed["flags"] == [] and committed["defaults"] == defaults and committed["args"] == defaults
+    seed0 = next(r for r in committed["runs"] if r["seed"] == 0)
+    out = tmp_path / "qs0"
+    assert main(["quickstart", "--out", str(out), "--seed", "0"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for name, key in (("untrained", "before"), ("sft_only", "after_sft"), ("sft_grpo", "after_rl")):
+        assert summary[f"accuracy_{key}"] == seed0["greedy"][name], name
+        assert summary[f"pass1_sampled_{key}"] == seed0["sampled_pass1"][name], name
+
+
 def test_larger_task():
     from rlhforge.data.builtin import check_answer, generate_builtin
 
@@ -101,6 +142,8 @@ def test_bench_quickstart_collects_every_seed(tmp_path):
     import importlib.util
     from pathlib import Path
 
+    from rlhforge.cli.quickstart import QuickstartArgs
+
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_quickstart.py"
     spec = importlib.util.spec_from_file_location("bench_quickstart", path)
     bench = importlib.util.module_from_spec(spec)
@@ -111,7 +154,7 @@ def test_bench_quickstart_collects_every_seed(tmp_path):
     data = json.loads(results.read_text())
     assert data["flags"] == SHRUNK and data["task"] == "larger" and data["task_params"] == "max=9"
     assert data["n_eval"] == 12 and data["eval_samples_per_problem"] == 2
-    assert data["defaults"]["rl_steps"] == 150 and data["args"]["rl_steps"] == 2  # defaults vs flags used
+    assert data["defaults"]["rl_steps"] == QuickstartArgs.rl_steps and data["args"]["rl_steps"] == 2  # defaults vs flags used
     assert data["command"].startswith("rlhforge quickstart --out ") and "--seed N --sft_steps 3" in data["command"]
     assert data["machine"]["cpu_count"] == os.cpu_count() and data["machine"]["torch_threads"] == 1
     assert data["notes"][-1] == "smoke"
