@@ -1,7 +1,7 @@
 """The quickstart over several seeds: ``rlhforge quickstart`` once per seed, one after another,
 collected into ``benchmarks/results/quickstart.json`` (the numbers README.md and docs/rl.md quote).
 
-    python benchmarks/bench_quickstart.py                       # seeds 0 1 2, default flags (~15 min on 2 cores)
+    python benchmarks/bench_quickstart.py                       # seeds 0 1 2, default flags (~5 min on 2 cores)
     python benchmarks/bench_quickstart.py --seeds 0 -- --rl_steps 300     # extra flags go to the quickstart
     python benchmarks/bench_quickstart.py --results /tmp/qs.json -- --train_records 200 --eval_size 12 \\
         --sft_steps 3 --rl_steps 2                                         # a shrunk smoke run
@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     what = ("rlhforge quickstart --task shape_colour: tiny Qwen2-VL, SFT warm start on the questions without their "
             "images (answer format only), then GRPO with the images (RL trainer, HF engine), held-out accuracy "
             "SFT-only vs SFT+GRPO on the same test images" if args.vlm else
-            "rlhforge quickstart: tiny Llama, brief SFT warm start, then GRPO (RL trainer), held-out accuracy "
-            "SFT-only vs SFT+GRPO on the same eval set")
+            "rlhforge quickstart: tiny Llama, SFT warm start on the answer format only (one of the question's two "
+            "numbers at random), then GRPO (RL trainer), held-out accuracy SFT-only vs SFT+GRPO on the same eval set")
     report = {
         "what": what + (" (non-default flags)" if len(extra) > 2 * args.vlm else " with default flags"),
         "command": f"rlhforge quickstart --out {runs_dir}/{prefix}N --seed N{flags}  (N = {seeds}, one after another)",

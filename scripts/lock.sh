@@ -12,10 +12,11 @@ UV="${UV:-$(command -v uv || echo .venv/bin/uv)}"
 [ -x "$UV" ] || { echo "lock.sh: uv not found (pip install uv, or bash scripts/setup_env.sh dev)" >&2; exit 2; }
 EXTRAS=(dev report serve agents ray math vision tinker envs deepspeed tensorboard)
 EXTRA_FLAGS=(); for e in "${EXTRAS[@]}"; do EXTRA_FLAGS+=(--extra "$e"); done
-# torch's CPU build: a local file on this project's machines (/opt/wheels), else PyTorch's CPU index
-FIND=(); [ -d /opt/wheels ] && FIND=(--find-links /opt/wheels)
-TORCH_CPU_INDEX="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
-[ -d /opt/wheels ] || FIND=(--extra-index-url "$TORCH_CPU_INDEX")
+# torch's CPU build: from pip's find-links where pip.conf names them (a local file on this project's machines),
+# else from PyTorch's CPU index (TORCH_INDEX_URL to pick another)
+FIND=()
+for link in $(python3 -m pip config get global.find-links 2>/dev/null || true); do FIND+=(--find-links "$link"); done
+[ ${#FIND[@]} -gt 0 ] || FIND=(--extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}")
 # vLLM's CPU build lists torchvision/torchaudio/torchcodec (broken beside the CPU torch: every import of peft,
 # transformers and vLLM fails) and triton (~1 GB nothing on a CPU torch runs): resolved, never installed
 NO_EMIT=(--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec --no-emit-package triton)
