@@ -4,6 +4,8 @@
 #                           what scripts/setup_env.sh installs by default, CI included
 #   requirements/cuda.lock  a single-GPU CUDA machine (torch 2.11.0 = CUDA 13.0, vLLM 0.26.0, Python 3.12):
 #                           resolved here, not installable here (no GPU); the versions the GPU path is checked against
+#   requirements/gpu-carry.lock  what benchmarks/gpu/carry_kit.py carries to the GPU check's machine (vLLM 0.26, Ray,
+#                           DeepSpeed, ...), resolved against cuda.lock
 # Usage: bash scripts/lock.sh [--upgrade]    (without --upgrade, uv keeps what the lock already pins where it can)
 # Needs uv (in the dev extra; else `pip install uv`). Then run the tests: bash scripts/test.sh
 set -euo pipefail
@@ -25,4 +27,7 @@ COMMON=(--index-strategy unsafe-best-match --no-header --annotation-style line "
   --python-version 3.11 --python-platform x86_64-manylinux_2_28 -o requirements/cpu.lock
 "$UV" pip compile pyproject.toml requirements/cuda.in "${EXTRA_FLAGS[@]}" "${COMMON[@]}" \
   --python-version 3.12 --python-platform x86_64-manylinux_2_28 -o requirements/cuda.lock
+# what the GPU check carries to the GPU machine (benchmarks/gpu/carry_kit.py), at the CUDA lock's versions
+"$UV" pip compile requirements/gpu-carry.in -c requirements/cuda.lock "${COMMON[@]}" \
+  --python-version 3.12 --python-platform x86_64-manylinux_2_28 -o requirements/gpu-carry.lock
 echo "locks written: requirements/cpu.lock ($(grep -c '==' requirements/cpu.lock) pins), requirements/cuda.lock ($(grep -c '==' requirements/cuda.lock) pins)"
