@@ -71,8 +71,8 @@ def _validate_routing_replay(cfg) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("--train.routing_replay with --vllm.num_engines > 0 needs vLLM's routed-experts output, "
-                              "which only its GPU model runner (V2, Triton) has; vLLM's CPU build cannot record "
-                              "routing: use the HF engine (--vllm.num_engines 0)")
+                              "which only its GPU model runners record (V1 on vLLM 0.26, V2 on 0.32); vLLM's CPU build "
+                              "cannot record routing: use the HF engine (--vllm.num_engines 0)")
 
 
 def validate_rl(cfg) -> None:

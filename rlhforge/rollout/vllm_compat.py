@@ -1,5 +1,9 @@
 """What rlhforge needs from vLLM and from torch's CUDA IPC, as plain checks and conversions.
 
+- **the version seam** (:func:`vllm_features`): where the supported vLLM versions (0.26 on CUDA: the last on
+  torch 2.11; 0.32: CI's CPU build) differ in a way rlhforge must act on, one record per version says how;
+  the engine reads it, nothing else compares versions
+  (``../shared/reference/vllm-026-vs-032.md``: every other API rlhforge uses is the same in both).
 - **version and API check** (:func:`check_vllm_api`): a :class:`~rlhforge.rollout.vllm_engine.VLLMEngine`
   refuses to start on a vLLM outside :data:`SUPPORTED_VLLM` or whose methods lack a parameter the weight
   sync passes by name (``reload_weights(weights_iterator=)``, ``load_weights(weights=)``,
@@ -24,16 +28,43 @@ from __future__ import annotations
 import inspect
 import os
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["SUPPORTED_VLLM", "REQUIRED_PARAMS", "check_vllm_api", "vllm_api_signatures", "parse_version",
+__all__ = ["SUPPORTED_VLLM", "REQUIRED_PARAMS", "VLLMFeatures", "vllm_features", "supported_text", "check_vllm_api", "vllm_api_signatures", "parse_version",
            "ipc_handle_to_wire", "ipc_handle_from_wire", "entries_to_wire", "entries_from_wire", "handles_by_gpu",
            "handle_for_gpu", "gpu_uuid", "load_ipc_payload", "reset_after_sync"]
 
-SUPPORTED_VLLM = ((0, 32), (0, 33))
-"""vLLM versions the weight sync is tested with: ``>= 0.32, < 0.33`` (0.32.0, CPU build, in CI)."""
+SUPPORTED_VLLM = (((0, 26), (0, 27)), ((0, 32), (0, 33)))
+"""vLLM versions rlhforge supports, as ``[lo, hi)`` (major, minor) ranges: 0.26 (the CUDA build on torch 2.11,
+the GPU check's; reviewed API by API against 0.32, not run in CI) and 0.32 (the CPU build CI runs)."""
+
+
+@dataclass(frozen=True)
+class VLLMFeatures:
+    """What differs between the supported vLLM versions and changes what rlhforge does (the version seam)."""
+
+    routing_runner: str
+    """Which GPU model runner records routed experts (routing replay): ``"v1"`` on 0.26 (V2 lists it as
+    unsupported and refuses), ``"v2"`` on 0.32 (only V2's AuxOutput connector records them)."""
+    routing_needs_prefix_caching: bool
+    """0.32 refuses routed-experts capture without prefix caching at config time; 0.26 does not need it."""
+    wake_empties_torch_cache: bool
+    """0.32's allocator empties torch's cache before it maps memory back at a wake; 0.26's does not, so an
+    engine in the caller's process empties it first (else the wake can run out of memory)."""
+
+
+def vllm_features(version: str) -> VLLMFeatures:
+    """The seam's record for a vLLM ``version`` (versions past 0.32 get 0.32's, earlier ones 0.26's)."""
+    newer = parse_version(version)[:2] >= (0, 32)
+    return VLLMFeatures(routing_runner="v2" if newer else "v1", routing_needs_prefix_caching=newer,
+                        wake_empties_torch_cache=newer)
+
+
+def supported_text() -> str:
+    return " or ".join(f"{lo[0]}.{lo[1]}.x" for lo, _ in SUPPORTED_VLLM)
 
 REQUIRED_PARAMS: dict[str, tuple[str, ...]] = {
     "LLM.__init__": ("model",),
@@ -61,9 +92,12 @@ def parse_version(version: str) -> tuple[int, int, int]:
 
 
 def _params(obj: Any) -> tuple[set[str], bool] | None:
-    """(parameter names, takes **kwargs) of a callable, an inspect.Signature or a list of names."""
+    """(parameter names, takes **kwargs) of a callable, an inspect.Signature, a list of names, or a worker's
+    ``{"params": [...], "var_keyword": bool}`` (``rlhforge_api_signatures``)."""
     if obj is None:
         return None
+    if isinstance(obj, Mapping):
+        return set(obj["params"]), bool(obj.get("var_keyword", False))
     if isinstance(obj, (list, tuple, set, frozenset)):
         return set(obj), False
     sig = obj if isinstance(obj, inspect.Signature) else inspect.signature(obj)
@@ -77,8 +111,7 @@ def check_vllm_api(version: str, signatures: Mapping[str, Any], *, allow_other_v
     ``signatures`` (name -> callable / inspect.Signature / parameter names; None: missing) without a
     parameter of ``required``. Names in ``required`` that ``signatures`` does not list are not checked
     (the worker-side ones are checked after start-up)."""
-    lo, hi = SUPPORTED_VLLM
-    supported = f"vLLM >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}"
+    supported = f"vLLM {supported_text()}"
     if allow_other_version is None:
         allow_other_version = os.environ.get("RLHFORGE_ALLOW_VLLM_VERSION") == "1"
     if not allow_other_version:
@@ -86,10 +119,10 @@ def check_vllm_api(version: str, signatures: Mapping[str, Any], *, allow_other_v
             v = parse_version(version)
         except ValueError as err:
             raise RuntimeError(f"{err}; rlhforge's weight sync supports {supported}") from None
-        if not lo <= v[:2] < hi:
-            raise RuntimeError(f"vLLM {version} is not supported: rlhforge's weight sync supports {supported} (the "
-                               "versions it is tested with; install vllm==0.32.*, or set RLHFORGE_ALLOW_VLLM_VERSION=1 "
-                               "to try this one: signatures are still checked)")
+        if not any(lo <= v[:2] < hi for lo, hi in SUPPORTED_VLLM):
+            raise RuntimeError(f"vLLM {version} is not supported: rlhforge's weight sync supports {supported} (0.26 on "
+                               "CUDA with torch 2.11, 0.32 as CI's CPU build; install one of them, or set "
+                               "RLHFORGE_ALLOW_VLLM_VERSION=1 to try this one: signatures are still checked)")
     for name, needed in required.items():
         if name not in signatures:
             continue

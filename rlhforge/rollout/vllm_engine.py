@@ -62,7 +62,8 @@ import torch
 
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams
 from rlhforge.rollout.engine_router import EngineRouter, named_pairs
-from rlhforge.rollout.vllm_compat import check_vllm_api, load_ipc_payload, reset_after_sync, vllm_api_signatures
+from rlhforge.rollout.vllm_compat import (check_vllm_api, load_ipc_payload, reset_after_sync, vllm_api_signatures,
+                                          vllm_features)
 from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes, user_kv_cache_space
 from rlhforge.rollout.vllm_process import cpu_eager, freeze_heap
 from rlhforge.rollout.vllm_vision import (check_expanded_prompt, vlm_placeholders, vlm_unsupported_reason,
@@ -107,6 +108,16 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield bucket
 
 
+def routing_replay_settings(features) -> tuple[dict[str, str], dict]:
+    """Environment and ``vllm.LLM`` keywords that make the engine return routed experts (routing replay), per
+    the version seam: 0.26's V1 runner records them (V2 refuses), 0.32's V2 runner does, with prefix caching."""
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1" if features.routing_runner == "v2" else "0"}
+    kwargs = {"enable_return_routed_experts": True}
+    if features.routing_needs_prefix_caching:
+        kwargs["enable_prefix_caching"] = True
+    return env, kwargs
+
+
 class VLLMEngine:
     """A ``GenerationEngine`` over one ``vllm.LLM``."""
 
@@ -119,10 +130,11 @@ class VLLMEngine:
         import vllm
 
         check_vllm_api(vllm.__version__, vllm_api_signatures())  # before a start-up that would fail later
+        self.features = vllm_features(vllm.__version__)
         cpu = vllm_is_cpu_build()
         if record_routing and cpu:
-            raise ValueError("routing replay needs vLLM's routed-experts output, which only its GPU model runner "
-                             "(V2, Triton) has; vLLM's CPU build cannot record routing")
+            raise ValueError("routing replay needs vLLM's routed-experts output, which only its GPU model runners "
+                             "record (V1 on vLLM 0.26, V2 on 0.32); vLLM's CPU build cannot record routing")
         self.record_routing = bool(record_routing)
         if enable_sleep and cpu:
             raise ValueError("vLLM sleep mode (enable_sleep) needs a GPU: vLLM's CPU build has none")
@@ -148,8 +160,9 @@ class VLLMEngine:
 
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.in_process else "1"}
         if record_routing:  # GPU only (refused above on CPU); not run here: no GPU in CI
-            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-            llm_kwargs["enable_return_routed_experts"] = True
+            routing_env, routing_kwargs = routing_replay_settings(self.features)
+            env.update(routing_env)
+            llm_kwargs.update(routing_kwargs)
         if cpu and not self.in_process:
             env["TORCH_COMPILE_DISABLE"] = "1"  # the engine-core process: eager, as cpu_eager in this one
         if cpu and kv_cache_bytes is not None and user_kv_cache_space() is None:
@@ -164,7 +177,7 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
-        kwargs.update(llm_kwargs)
+        kwargs.update(llm_kwargs)  # (routing replay on 0.32 turns enable_prefix_caching on: it needs it)
         saved_env = {k: os.environ.get(k) for k in env}
         # vLLM's CPU worker sets the thread count and then replaces torch.set_num_threads process-wide
         # (it assumes it owns the process). An in-process engine gives the trainer its threading back
@@ -314,8 +327,14 @@ class VLLMEngine:
         with self._lock, self._engine_threads():
             return list(self.llm.collective_rpc("rlhforge_sync_report"))
 
+    def _release_torch_cache(self) -> None:
+        """Before a wake: vLLM 0.26 maps the pools back without emptying torch's cache (0.32 empties it)."""
+        if not self.features.wake_empties_torch_cache and not self.cpu and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def _wake_weights(self) -> None:
         if self._asleep and not self._weights_awake:  # GPU sleep mode: bring the weights back first
+            self._release_torch_cache()
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
 
@@ -347,6 +366,8 @@ class VLLMEngine:
 
     def wake_up(self) -> None:
         if self.enable_sleep and self._asleep:
+            self._release_torch_cache()
+            # after a weights-only wake, the KV cache alone: vLLM 0.26 would map the weights again on tags=None
             self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
             self._asleep = self._weights_awake = False
 

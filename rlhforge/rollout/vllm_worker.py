@@ -208,16 +208,20 @@ class WeightSyncExtension:
         return getattr(self, "_rlhforge_fingerprint", None)
 
     # -- checks -----------------------------------------------------------------------------------
-    def rlhforge_api_signatures(self) -> dict[str, list[str]]:
-        """Parameter names of the worker-side vLLM methods the sync calls by keyword (start-up check:
-        :func:`rlhforge.rollout.vllm_compat.check_vllm_api`); [] names a method that is missing."""
+    def rlhforge_api_signatures(self) -> dict[str, dict | None]:
+        """Parameter names of the worker-side vLLM methods the sync calls by keyword, and whether each takes
+        ``**kwargs`` (vLLM 0.26's V2 runner: ``reload_weights(self, *args, **kwargs)``), for the start-up check
+        (:func:`rlhforge.rollout.vllm_compat.check_vllm_api`); None names a method that is missing."""
         import inspect
 
         out = {}
         for name, owner, attr in (("model_runner.reload_weights", self.model_runner, "reload_weights"),
                                   ("model.load_weights", self.model_runner.get_model(), "load_weights")):
             fn = getattr(owner, attr, None)
-            out[name] = [] if fn is None else list(inspect.signature(fn).parameters)
+            params = None if fn is None else inspect.signature(fn).parameters.values()
+            out[name] = None if params is None else {
+                "params": [p.name for p in params],
+                "var_keyword": any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)}
         return out
 
     def rlhforge_param_checksum(self) -> float:

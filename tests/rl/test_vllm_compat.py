@@ -19,7 +19,7 @@ def test_the_installed_vllm_passes():
     signatures = vllm_api_signatures()
     assert set(signatures) | {"model_runner.reload_weights", "model.load_weights"} == set(REQUIRED_PARAMS)
     check_vllm_api(vllm.__version__, signatures, allow_other_version=False)
-    assert SUPPORTED_VLLM[0] <= parse_version(vllm.__version__)[:2] < SUPPORTED_VLLM[1]
+    assert any(lo <= parse_version(vllm.__version__)[:2] < hi for lo, hi in SUPPORTED_VLLM)
 
 
 def test_the_worker_side_of_a_real_engine_passes(tiny_model_dir):
@@ -30,21 +30,23 @@ def test_the_worker_side_of_a_real_engine_passes(tiny_model_dir):
     engine = VLLMEngine(str(tiny_model_dir), max_model_len=32)  # runs both checks at start-up
     try:
         sigs = engine.llm.collective_rpc("rlhforge_api_signatures")[0]
-        assert "weights_iterator" in sigs["model_runner.reload_weights"]
-        assert "weights" in sigs["model.load_weights"]
+        assert "weights_iterator" in sigs["model_runner.reload_weights"]["params"]
+        assert "weights" in sigs["model.load_weights"]["params"]
+        assert sigs["model_runner.reload_weights"]["var_keyword"] is False  # 0.32's runners name every parameter
         check_vllm_api(vllm.__version__, sigs, allow_other_version=False)
     finally:
         engine.close()
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "0.9.2"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "0.9.2", "0.25.1", "0.27.1"])
 def test_other_versions_are_refused_with_the_supported_range(version):
     with pytest.raises(RuntimeError) as err:
         check_vllm_api(version, {}, allow_other_version=False)
-    assert f"vLLM {version} is not supported" in str(err.value) and ">= 0.32, < 0.33" in str(err.value)
+    assert f"vLLM {version} is not supported" in str(err.value) and "vLLM 0.26.x or 0.32.x" in str(err.value)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.3+cpu", "0.32.1rc1", "v0.32.0.dev4+g1234"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3+cpu", "0.32.1rc1", "v0.32.0.dev4+g1234", "0.26.0",
+                                     "0.26.1+cu130"])
 def test_supported_version_strings(version):
     check_vllm_api(version, {}, allow_other_version=False)
 
@@ -83,3 +85,28 @@ def test_a_missing_parameter_or_method_is_named():
         check_vllm_api("0.32.0", {"LLMEngine.reset_encoder_cache": None}, allow_other_version=False)
     with pytest.raises(RuntimeError, match=r"model.load_weights has no parameter 'weights'"):
         check_vllm_api("0.32.0", {"model.load_weights": ["self", "state_dict"]}, allow_other_version=False)
+
+
+def test_a_worker_method_that_takes_kwargs_passes_and_one_without_the_parameter_does_not():
+    """vLLM 0.26's V2 model runner (the default for dense models on CUDA) is ``reload_weights(self, *args,
+    **kwargs)``: the worker reports its **kwargs, and the check accepts it; names alone without the parameter
+    are still refused."""
+    v2_026 = {"params": ["args", "kwargs"], "var_keyword": True}
+    check_vllm_api("0.26.0", {"model_runner.reload_weights": v2_026}, allow_other_version=False)
+    with pytest.raises(RuntimeError, match="model_runner.reload_weights has no parameter 'weights_iterator'"):
+        check_vllm_api("0.26.0", {"model_runner.reload_weights": {"params": ["args", "kwargs"], "var_keyword": False}},
+                       allow_other_version=False)
+
+
+def test_the_version_seam():
+    """Routing replay: 0.26's V1 runner records routed experts (V2 refuses), 0.32's V2 runner does and needs
+    prefix caching; a wake on 0.26 empties torch's cache first (0.32's allocator does it itself)."""
+    from rlhforge.rollout.vllm_compat import vllm_features
+    from rlhforge.rollout.vllm_engine import routing_replay_settings
+
+    old, new = vllm_features("0.26.0"), vllm_features("0.32.0+cpu")
+    assert (old.routing_runner, old.routing_needs_prefix_caching, old.wake_empties_torch_cache) == ("v1", False, False)
+    assert (new.routing_runner, new.routing_needs_prefix_caching, new.wake_empties_torch_cache) == ("v2", True, True)
+    assert routing_replay_settings(old) == ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"enable_return_routed_experts": True})
+    assert routing_replay_settings(new) == ({"VLLM_USE_V2_MODEL_RUNNER": "1"},
+                                            {"enable_return_routed_experts": True, "enable_prefix_caching": True})
