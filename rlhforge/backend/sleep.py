@@ -85,7 +85,7 @@ def _is_deepspeed(strategy) -> bool:
 
 
 def _move(strategy, to_host: bool) -> dict:
-    if strategy.device.type == "cpu":  # (DeepSpeed ZeRO-0 is refused at start-up: config/rl_rules.py)
+    if strategy.device.type == "cpu":  # (DeepSpeed ZeRO-0 is refused at start-up: config/rl_workers.py)
         return {"moved_bytes": 0}
     if _is_deepspeed(strategy):
         if getattr(strategy.ds_cfg, "adam_offload", False):
