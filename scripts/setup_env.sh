@@ -49,7 +49,10 @@ if [ "$LOCKED" = "1" ]; then
   # uv reads no pip.conf: hand it pip's find-links (where torch's CPU build may lie on disk)
   FIND=()
   for link in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do FIND+=(--find-links "$link"); done
-  UVI=(.venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match "${FIND[@]}")
+  # --compile-bytecode: as pip does; where PYTHONDONTWRITEBYTECODE is set, every process would else compile
+  # every module it imports from source, every time (the test suite: ~2x slower)
+  UVI=(.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python --index-strategy unsafe-best-match
+       "${FIND[@]}")
   TORCH_PIN="$(grep -E '^torch==' "$LOCK" | awk '{print $1}')"
   REST="$(mktemp)"; trap 'rm -f "$REST"' EXIT
   grep -vE '^torch==' "$LOCK" > "$REST"
