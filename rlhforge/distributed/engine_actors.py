@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from rlhforge.distributed.groups import WorkerError
-from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.engine import GenerationOutput, params_per_prompt
 from rlhforge.rollout.vllm_engine import EngineRouter, vllm_dtype
 from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes
 
@@ -149,12 +149,7 @@ class EngineActors:
     async def generate(self, prompts: Sequence[Sequence[int]], params, vision: Sequence | None = None
                        ) -> list[GenerationOutput]:
         """``vision``: a VisionInput or None per prompt (a vision-language model; each goes with its prompt)."""
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if vision is not None and len(vision) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(vision)} image entries")
+        params = params_per_prompt(prompts, params, vision)
         out: list[GenerationOutput | None] = [None] * len(prompts)
         pending = list(range(len(prompts)))
         while pending:

@@ -53,6 +53,18 @@ class GenerationOutput:
     extra: dict = field(default_factory=dict)
 
 
+def params_per_prompt(prompts: Sequence, params, vision: Sequence | None = None) -> list[SamplingParams]:
+    """``generate``'s arguments checked the same way by every engine: one :class:`SamplingParams` for all
+    prompts becomes one per prompt; a list of params (or of image entries) must have one per prompt."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    if vision is not None and len(vision) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(vision)} image entries")
+    return list(params)
+
+
 class GenerationEngine(Protocol):
     async def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[GenerationOutput]:
         """One output per prompt, in order."""

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.engine import GenerationOutput, SamplingParams, params_per_prompt
 
 __all__ = ["EngineRouter", "named_pairs"]
 
@@ -56,12 +56,7 @@ class EngineRouter:
         return out
 
     async def generate(self, prompts, params, vision: Sequence | None = None) -> list[GenerationOutput]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if vision is not None and len(vision) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(vision)} image entries")
+        params = params_per_prompt(prompts, params, vision)
         where = self.assign(prompts, params)
         jobs, index = [], []
         for j, engine in enumerate(self.engines):

@@ -42,7 +42,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.engine import GenerationOutput, SamplingParams, params_per_prompt
 
 __all__ = ["HFEngine", "filter_logits"]
 
@@ -166,10 +166,7 @@ class HFEngine:
 
     # -- decoding ---------------------------------------------------------------------------------
     def generate_sync(self, prompts, params, vision: Sequence | None = None) -> list[GenerationOutput]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        params = params_per_prompt(prompts, params)
         if vision is not None and any(v is not None for v in vision):
             if len(vision) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(vision)} image entries")

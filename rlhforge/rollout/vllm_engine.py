@@ -60,7 +60,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from rlhforge.rollout.engine import GenerationOutput, SamplingParams
+from rlhforge.rollout.engine import GenerationOutput, SamplingParams, params_per_prompt
 from rlhforge.rollout.engine_router import EngineRouter, named_pairs
 from rlhforge.rollout.vllm_compat import (check_vllm_api, load_ipc_payload, reset_after_sync, vllm_api_signatures,
                                           vllm_features)
@@ -217,10 +217,7 @@ class VLLMEngine:
         return await asyncio.to_thread(self.generate_sync, prompts, params, vision)
 
     def generate_sync(self, prompts, params, vision: Sequence | None = None) -> list[GenerationOutput]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        params = params_per_prompt(prompts, params)
         if not prompts:
             return []
         vision = self._check_vision(prompts, vision)
