@@ -55,7 +55,7 @@ LEFT_OUT = {
     "opencv-python-headless": "multimodal inputs only", "flashinfer-python": "FlashInfer backend; FA3 is Hopper's",
     "tilelang": "experimental kernels", "humming-kernels": "quantised kernels", "quack-kernels": "CuTe-DSL kernels",
     "tokenspeed-mla": "MLA (DeepSeek) kernels", "z3-solver": "tilelang's solver", "apache-tvm-ffi": "tilelang",
-    "torch-c-dlpack-ext": "tilelang/quack", "nvidia-cutlass-dsl": "CuTe-DSL kernels",
+    "torch-c-dlpack-ext": "tilelang/quack",
     "tokenspeed-triton": "tokenspeed-mla's own Triton (90 MiB)", "pynvvideocodec": "video decoding (41 MiB)",
 }
 
@@ -86,8 +86,7 @@ def normalize(name: str) -> str:
 def carried(pins: dict[str, str]) -> dict[str, str]:
     """The pins the machine lacks, minus what is left out on purpose."""
     return {n: v for n, v in pins.items()
-            if n not in ON_MACHINE and not n.startswith(ON_MACHINE_PREFIXES)
-            and n not in LEFT_OUT and not n.startswith("nvidia-cutlass-dsl")}
+            if n not in ON_MACHINE and not n.startswith(ON_MACHINE_PREFIXES) and n not in LEFT_OUT}
 
 
 def strip_wheel(data: bytes, patterns=VLLM_STRIP) -> tuple[bytes, list[str]]:
@@ -115,13 +114,9 @@ def import_names(wheel: bytes) -> list[str]:
     tops = [n for n in z.namelist() if n.endswith(".dist-info/top_level.txt")]
     if tops:
         return sorted({x.strip() for x in z.read(tops[0]).decode().splitlines() if x.strip()})
-    names = set()
-    for n in z.namelist():
-        first = n.split("/", 1)[0]
-        if first.endswith((".dist-info", ".data")) or first.startswith("__"):
-            continue
-        names.add(first[:-3] if first.endswith(".py") else first.split(".", 1)[0] if "/" not in n else first)
-    return sorted(names)
+    firsts = {n.split("/", 1)[0] for n in z.namelist()}
+    return sorted(f.removesuffix(".py") for f in firsts
+                  if not f.endswith((".dist-info", ".data")) and not f.startswith("__"))
 
 
 def chunk_size(tracked_bytes: int, limit: int = TRANSFER_LIMIT, margin: int = MARGIN) -> int:

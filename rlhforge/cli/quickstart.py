@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class QuickstartArgs:
     """Tiny model width (head_dim stays 32: heads = hidden_size / 32)."""
     layers: int = 2
     """Tiny model depth."""
-    sft_labels: str = "format"
+    sft_labels: Literal["format", "answer"] = "format"
     """What the SFT warm start's completions are: ``format`` (default): the answer format only, never the
     answer: for ``larger`` one of the question's two numbers picked at random, for other tasks the answer of
     another, random problem; SFT alone cannot learn the task from them, so the change SFT only -> SFT + GRPO is
@@ -255,9 +256,6 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
 
         return vlm_main(argv, prog=prog)
     args = tyro.cli(QuickstartArgs, args=argv, prog=prog, use_underscores=True)
-    if args.sft_labels not in ("format", "answer"):
-        print(f"{prog}: error: --sft_labels {args.sft_labels!r}: use 'format' or 'answer'", file=sys.stderr)
-        return 2
     torch.set_num_threads(max(1, args.threads))
 
     from rlhforge.cli.train_ppo_ray import run as run_rl
