@@ -160,8 +160,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def release_cached_memory(device: torch.device) -> int:
     """Give the caching allocator's unused blocks back to the device (before a colocated vLLM engine wakes
-    up into the same GPU: vLLM sizes its KV cache from what is free). Returns the bytes released
-    (0 on CPU, which has no such cache)."""
+    up into the same GPU: it re-maps its start-up allocation, which must fit in what is free; vLLM does not
+    re-size it). Returns the bytes released (0 on CPU, which has no such cache)."""
     if device.type != "cuda":
         return 0
     import gc

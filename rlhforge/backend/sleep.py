@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["offload_states", "reload_states", "move_optimizer_states", "DEEPSPEED_OFFLOAD", "deepspeed_offload_kwargs",
+__all__ = ["offload_states", "reload_states", "move_optimizer_states", "move_master_weights", "DEEPSPEED_OFFLOAD", "deepspeed_offload_kwargs",
            "deepspeed_sleep"]
 
 # what a sleeping DeepSpeed trainer moves to host memory (OffloadStateTypeEnum values); lp_params and
@@ -41,8 +41,9 @@ def deepspeed_sleep(engine, zero_stage: int, to_host: bool, pin_memory: bool = T
     """Offload (``to_host``) or reload a DeepSpeed engine's states as ``--ds.enable_sleep`` does (ZeRO 1-3);
     returns what was asked to move. ZeRO-3's ``offload_states`` moves the optimizer states and master
     weights of DeepSpeed's FusedAdam only (it asserts so); with another optimizer (rlhforge's torch AdamW,
-    Muon) DeepSpeed moves the gradient buffer and the optimizer's own state tensors are moved here (the
-    fp32 master weights, a third of Adam's states, stay on the device)."""
+    Muon) DeepSpeed moves the gradient buffer, and the optimizer's own state tensors and the fp32 master
+    partitions (``fp32_partitioned_groups_flat``, ``4P/N`` bytes per rank) are moved here, as DeepSpeed's
+    own ``hp_params`` branch moves them (gpu-review-2 F8: they used to stay on the device)."""
     if zero_stage == 0:
         raise ValueError("--ds.enable_sleep under DeepSpeed needs --ds.zero_stage 1-3 (its offload_states has no "
                          "ZeRO-0 optimizer); use --ds.strategy torch for an unsharded actor")
@@ -52,16 +53,35 @@ def deepspeed_sleep(engine, zero_stage: int, to_host: bool, pin_memory: bool = T
     if not to_host:
         engine.reload_states()
         if own_states:
+            move_master_weights(engine.optimizer, device)
             move_optimizer_states(inner, device)
         return []
     kwargs = deepspeed_offload_kwargs(pin_memory)
     if own_states:
         kwargs["include"] = [s for s in kwargs["include"] if s.value == "contiguous_grad_buffer"]
+        move_master_weights(engine.optimizer, "cpu", pin_memory)
         move_optimizer_states(inner, "cpu")
     engine.offload_states(**kwargs)
     if zero_stage == 3:
         engine.empty_partition_cache()  # ZeRO-3's gathered-parameter cache: rebuilt by the next forward
-    return [s.value for s in kwargs["include"]] + (["optim_states (torch optimizer)"] if own_states else [])
+    own = ["hp_params (fp32 master partitions)", "optim_states (torch optimizer)"] if own_states else []
+    return [s.value for s in kwargs["include"]] + own
+
+
+def move_master_weights(zero_optimizer, device: torch.device | str, pin_memory: bool = True) -> int:
+    """Move ZeRO-3's fp32 master partitions (``fp32_partitioned_groups_flat``: the torch optimizer's own
+    parameters, so its state stays keyed to them) to ``device`` in place (``.data``); returns the bytes."""
+    moved = 0
+    target = torch.device(device)
+    for flat in getattr(zero_optimizer, "fp32_partitioned_groups_flat", []):
+        if flat.device == target:
+            continue
+        new = flat.data.to(target)
+        if pin_memory and target.type == "cpu" and flat.device.type == "cuda":
+            new = new.pin_memory()
+        flat.data = new
+        moved += flat.numel() * flat.element_size()
+    return moved
 
 
 def move_optimizer_states(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:

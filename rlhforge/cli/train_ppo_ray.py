@@ -136,7 +136,13 @@ def build_trainer(cfg: RLConfig):
                           "driver's HF engine would take cuda:0 outside Ray's GPU accounting, beside actor rank 0), "
                           "or --train.device cpu")
     if cfg.vllm.num_engines and not ray_mode:  # in the driver; started before the models load (see launch.py)
-        from rlhforge.rollout.vllm_engine import build_vllm_engines
+        from rlhforge.rollout.vllm_engine import build_vllm_engines, vllm_is_cpu_build
+
+        if not vllm_is_cpu_build() and resolve_device(cfg.train.device).type == "cuda":
+            from rlhforge.config.rl_rules import rl_strategy
+            from rlhforge.distributed.plan_report import check_driver_engines
+
+            check_driver_engines(cfg, rl_strategy(cfg))  # engine + models on one GPU (exit 2 with the arithmetic)
 
         driver_vllm = build_vllm_engines(cfg, tokenizer, max_model_len=_vllm_max_model_len(cfg, prompts, eval_prompts))
         if cfg.vllm.enable_sleep:
@@ -152,6 +158,14 @@ def build_trainer(cfg: RLConfig):
 
             def start_engines(placement, pgs):
                 return build_engine_actors(cfg, tokenizer, max_len, placement, pgs)
+
+            from rlhforge.config.rl_rules import rl_strategy
+            from rlhforge.distributed.launch import init_ray, ray_device
+            from rlhforge.distributed.placement import plan_from_config
+            from rlhforge.distributed.plan_report import check_colocated_engines
+
+            init_ray()  # engines on the models' GPUs must fit beside them: exit 2 with the arithmetic, before Ray places
+            check_colocated_engines(cfg, plan_from_config(cfg, ray_device(cfg.train.device)), rl_strategy(cfg))
 
         actor, ref, critic, placement, reward_group, ray_engines = build_ray_groups(cfg, tokenizer, plan,
                                                                                     start_engines)

@@ -270,6 +270,11 @@ class RLTrainConfig:
     """Use deterministic algorithms."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the workers (auto: cuda when available). rlhforge-specific."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU, for the start-up check of vLLM engines that share GPUs with models
+    (``--train.colocate_all``, or vLLM beside the actor on one GPU). Default: measured on a GPU (the
+    driver's, else a one-off Ray task on the cluster's), or 80 where no GPU can be seen (a CPU cluster
+    declaring GPUs to plan a GPU run). rlhforge-specific; docs/distributed.md."""
     preempt_grace_s: float = 120.0
     """SIGTERM/SIGINT to the driver: wait at most this many seconds for the current RL step to end,
     then save a checkpoint (through the worker groups) and exit (143 / 130); if the step does not end

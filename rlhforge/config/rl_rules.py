@@ -14,6 +14,7 @@ from __future__ import annotations
 from rlhforge.config.deadline import check_deadlines
 from rlhforge.config.parsing import ConfigError
 from rlhforge.config.validation import (
+    check_flash_attention_dtype,
     check_gpu_kernels,
     check_load_in_4bit,
     deepspeed_only_notices,
@@ -177,6 +178,7 @@ def validate_rl(cfg) -> None:
     if cfg.ds.load_in_4bit:
         check_load_in_4bit(cfg.train.device)
     check_gpu_kernels(cfg.ds, cfg.train.device)
+    check_flash_attention_dtype(cfg.ds, cfg.train.device)
     from rlhforge.config.batching import plan_rl_batches
 
     plan_rl_batches(rollout_batch_size=cfg.rollout.batch_size, n_samples_per_prompt=n,

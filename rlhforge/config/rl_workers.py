@@ -93,12 +93,53 @@ def _validate_tensor_parallel(cfg) -> None:
                           "has no LoRA adapters on AutoTP-split layers (nor their merged weight sync); use one of the two")
 
 
+def _on_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+
+    return device == "cuda" or torch.cuda.is_available()
+
+
+def _refuse_bf16_optimizer_sleep(cfg) -> None:
+    """DeepSpeed (0.19) wraps bf16 + ZeRO-1 + fp32 gradient accumulation (no CPU offload) in its
+    ``BF16_Optimizer``, which has no ``offload_states``: ``--ds.enable_sleep``'s first offload, right after
+    start-up, would raise AttributeError (gpu-review-2 F9)."""
+    ds = cfg.ds
+    bf16 = ds.param_dtype == "bf16" or ds.param_dtype == "auto" and _on_cuda(cfg.train.device)
+    if (ds.enable_sleep and rl_strategy(cfg) == "deepspeed" and ds.zero_stage == 1 and bf16 and not ds.adam_offload
+            and str(ds.grad_accum_dtype or "").lower() in ("fp32", "float32")):
+        raise ConfigError("--ds.enable_sleep with --ds.zero_stage 1, bf16 and --ds.grad_accum_dtype fp32: DeepSpeed "
+                          "trains that combination with its BF16_Optimizer, which cannot offload its states (no "
+                          "offload_states); use --ds.zero_stage 2 or 3, or drop --ds.grad_accum_dtype fp32")
+
+
+def _refuse_expandable_segments(cfg) -> None:
+    """CUDA-IPC weight sync (GPU engines on the actor's GPUs) shares the bucket buffers the actor allocates;
+    with ``expandable_segments`` those live in segments that ``reduce_tensor`` can only export through
+    ``pidfd_getfd``, which unprivileged containers and older kernels refuse (pytorch#165685, OpenRLHF#957):
+    the first sync fails. Refused at start-up, naming the variable (gpu-review-2 F12)."""
+    import os
+
+    v = cfg.vllm
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    expandable = any(part.replace(" ", "").lower() == "expandable_segments:true" for part in conf.split(","))
+    if (expandable and cfg.train.colocate_all and (v.num_engines or 0) > 0 and not v.sync_with_ray
+            and _on_cuda(cfg.train.device)):
+        raise ConfigError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True with --train.colocate_all: the engines "
+                          "load the weights by CUDA IPC from the actor's buffers, which that allocator setting cannot "
+                          "share in many containers (pidfd_getfd; pytorch#165685); unset it for the trainer, or use "
+                          "--vllm.sync_with_ray")
+
+
 def _validate_distributed(cfg) -> None:
     t = cfg.train
     validate_fp16(cfg.ds, rl_strategy(cfg))
     if cfg.ds.enable_sleep and rl_strategy(cfg) == "deepspeed" and cfg.ds.zero_stage == 0:
         raise ConfigError("--ds.enable_sleep under DeepSpeed needs --ds.zero_stage 1-3 (DeepSpeed's offload_states "
                           "has no ZeRO-0 optimizer); use --ds.zero_stage 1-3, or --ds.strategy torch")
+    _refuse_bf16_optimizer_sleep(cfg)
+    _refuse_expandable_segments(cfg)
     if t.async_enable and t.colocate_all:
         raise ConfigError("--train.async_enable with --train.colocate_all: async training generates while the "
                           "actor trains, and colocated models and engines take turns on the same devices (as in "

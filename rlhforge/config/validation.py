@@ -146,6 +146,7 @@ def validate_common(cfg) -> None:
     if cfg.ds.load_in_4bit:
         check_load_in_4bit(cfg.train.device)
     check_gpu_kernels(cfg.ds, cfg.train.device)
+    check_flash_attention_dtype(cfg.ds, cfg.train.device)
     validate_no_effect_common(cfg)
 
 
@@ -272,6 +273,22 @@ def check_gpu_kernels(ds, device: str) -> None:
         raise ConfigError(f"--ds.{flag} needs a CUDA GPU ({why[flag]}), but {where}; drop the flag on this machine")
     if "use_liger_kernel" in wanted and importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError("--ds.use_liger_kernel needs the liger-kernel package: pip install liger-kernel")
+
+
+def check_flash_attention_dtype(ds, device: str) -> None:
+    """An explicit ``--ds.attn_implementation flash_attention_2`` with an fp32 run is refused: flash-attn
+    takes fp16/bf16 only, and models train in fp32 under ``--ds.param_dtype fp32`` (or ``auto`` off CUDA),
+    so the first forward would die ("FlashAttention only supports fp16 and bf16"). ``auto`` picks sdpa there
+    itself (models/loading.py)."""
+    if getattr(ds, "attn_implementation", "auto") != "flash_attention_2":
+        return
+    on_cuda = device == "cuda" or device == "auto" and _cuda_available()
+    dtype = ds.param_dtype if ds.param_dtype != "auto" else ("bf16" if on_cuda else "fp32")
+    if dtype == "fp32":
+        why = "--ds.param_dtype fp32" if ds.param_dtype == "fp32" else "--ds.param_dtype auto, which is fp32 off CUDA"
+        raise ConfigError(f"--ds.attn_implementation flash_attention_2 needs bf16 or fp16 training, but this run trains "
+                          f"in fp32 ({why}); flash-attn refuses fp32 tensors at the first forward. Use "
+                          "--ds.param_dtype bf16, or --ds.attn_implementation sdpa (or auto)")
 
 
 def _cuda_available() -> bool:

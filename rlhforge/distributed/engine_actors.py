@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from rlhforge.distributed.groups import WorkerError
+from rlhforge.distributed.ray_group import bundle_index
 from rlhforge.rollout.engine import GenerationOutput, params_per_prompt
 from rlhforge.rollout.vllm_engine import EngineRouter, vllm_dtype
 from rlhforge.rollout.vllm_memory import engine_kv_cache_bytes
@@ -46,7 +47,13 @@ class EngineHost:
     """The Ray actor around one :class:`~rlhforge.rollout.vllm_engine.VLLMEngine` (in this process)."""
 
     def __init__(self, env: dict[str, str], model_path: str, kwargs: dict):
+        import ray
+
+        from rlhforge.distributed.ray_group import device_env_for
+
         os.environ.update(env)
+        # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: vLLM in this process takes cuda:0, so narrow the devices
+        os.environ.update(device_env_for(os.environ, ray.get_gpu_ids(), engine=True))
         from rlhforge.rollout.vllm_engine import VLLMEngine
 
         self.engine = VLLMEngine(model_path, **kwargs)
@@ -114,13 +121,15 @@ class EngineActors:
     def __init__(self, spawn: Callable[[int], Any], num_engines: int, *, tp: int = 1, backend: str = "gloo",
                  bucket_bytes: int = 128 << 20, sync_with_ray: bool = False, max_restarts: int = 1,
                  timeout_s: float = 600.0, sync_timeout_s: float = 300.0, ipc: bool = False,
-                 start_timeout_s: float | None = None):
+                 start_timeout_s: float | None = None, enable_sleep: bool = False):
         self.spawn, self.tp, self.backend, self.bucket_bytes = spawn, tp, backend, bucket_bytes
         self.sync_with_ray, self.max_restarts, self.timeout_s = sync_with_ray, max_restarts, timeout_s
         self.sync_timeout_s = sync_timeout_s  # --vllm.sync_timeout_s: every sync collective and engine RPC
         # an engine's start-up (vLLM loads the model): --deadline.startup_s
         self.start_timeout_s = start_timeout_s or max(timeout_s, sync_timeout_s)
         self.ipc = ipc  # GPU engines on the actor's GPUs: CUDA IPC, each worker takes its own GPU's handle
+        self.enable_sleep = enable_sleep  # --vllm.enable_sleep: a restarted engine goes back to sleep if the rest are
+        self.asleep = False
         self._ipc_members: tuple | None = None
         self.engines = [_Engine(i, spawn(i), tp) for i in range(num_engines)]
         self._group_members: tuple | None = None  # (handles...) of the current sync group
@@ -202,9 +211,11 @@ class EngineActors:
 
     def sleep(self) -> None:
         self._broadcast("sleep")
+        self.asleep = True
 
     def wake_up(self) -> None:
         self._broadcast("wake_up")
+        self.asleep = False
 
     def close(self) -> None:
         import ray
@@ -325,6 +336,8 @@ class EngineActors:
                 refs = self._source.submit("engine_state_dict")
                 ray.get(e.handle.load_state.remote(refs[0], self.fingerprint_syncs), timeout=self.sync_timeout_s)
                 self._source.wait(refs, "engine_state_dict")
+            if self.enable_sleep and self.asleep:  # the models train beside it: it must not hold its KV cache
+                ray.get(e.handle.sleep.remote(), timeout=self.sync_timeout_s)
         except Exception as err:  # noqa: BLE001
             e.alive, e.failure = False, f"{cause}; its restart failed too: {_cause(err)}"
             print(f"[rlhforge] vLLM engine {e.index}: restart failed: {_cause(err)}", flush=True)
@@ -441,11 +454,13 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
                       kv_cache_bytes=kv_cache_bytes)
         engine_env = dict(env)
         one_device = v.tensor_parallel_size == 1
+        pg = pgs[ep.pg]
+        bundles = [bundle_index(pg, b) for b in ep.bundle_indices]  # node-ordered: a TP engine stays on one node
         if not one_device:  # vLLM's Ray executor places its TP workers on the bundles named here
             kwargs["distributed_executor_backend"] = "ray"
             engine_env["VLLM_RAY_PER_WORKER_GPUS"] = str(ep.share)
-            engine_env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in ep.bundle_indices)
-        strategy = PlacementGroupSchedulingStrategy(pgs[ep.pg], placement_group_bundle_index=ep.bundle_indices[0],
+            engine_env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundles)
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[0],
                                                     placement_group_capture_child_tasks=True)
         opts = {"num_cpus": ep.share if cpu else 0, "num_gpus": ep.share if (not cpu and one_device) else 0,
                 "scheduling_strategy": strategy, "max_restarts": 0, "max_concurrency": 4}
@@ -456,4 +471,5 @@ def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict
     return EngineActors(spawn, v.num_engines, tp=v.tensor_parallel_size, backend=backend,
                         bucket_bytes=v.sync_bucket_mb << 20, sync_with_ray=v.sync_with_ray,
                         max_restarts=v.max_restarts, timeout_s=v.request_timeout_s,
-                        sync_timeout_s=v.sync_timeout_s, ipc=colocated, start_timeout_s=cfg.deadline.startup_s)
+                        sync_timeout_s=v.sync_timeout_s, ipc=colocated, start_timeout_s=cfg.deadline.startup_s,
+                        enable_sleep=v.enable_sleep)

@@ -86,7 +86,9 @@ def build_ray_groups(cfg, tokenizer, plan, start_engines=None):
     ``start_engines(placement, pgs)`` (the vLLM engine actors, or None) runs *before* any model loads,
     as in OpenRLHF: a colocated vLLM engine checks at start-up that the share of GPU memory it was given
     (``--vllm.gpu_memory_utilization``) is free, which it no longer is once the trainers sit on the GPU;
-    with ``--vllm.enable_sleep`` the engines then go to sleep until the first generation.
+    with ``--vllm.enable_sleep`` the engines then go to sleep until the first generation. A wake re-maps
+    the start-up allocation, so the caller first checks that engines on the models' GPUs fit beside the
+    models (:func:`~rlhforge.distributed.plan_report.check_colocated_engines`).
 
     Returns ``(actor, ref, critic, placement, reward, engine)``; ref/critic/reward/engine are None when
     the run has none (``reward``: the reward-model group, :mod:`rlhforge.distributed.reward_worker`)."""

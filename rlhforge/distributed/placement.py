@@ -132,6 +132,13 @@ def plan_placement(sizes: dict[str, int], *, device: str, colocate_all: bool = F
                               f"TP {engine_tp} = {num_engines * engine_tp} bundles, but the shared group has {n} "
                               f"(the largest of {', '.join(f'{m} {sizes[m]}' for m in sizes)}); use fewer engines "
                               f"(--vllm.num_engines) or a smaller --vllm.tensor_parallel_size")
+        actor = sizes.get("actor", 0)
+        if device == "cuda" and num_engines * engine_tp > actor:
+            raise ConfigError(f"--train.colocate_all on GPUs: {num_engines} engines x TP {engine_tp} = "
+                              f"{num_engines * engine_tp} GPUs, but the actor has {actor} rank(s); a colocated engine "
+                              f"loads its weights by CUDA IPC from the actor rank on its own GPU, so every engine GPU "
+                              f"needs one: use at most {actor // engine_tp} engine(s) at TP {engine_tp}, or more "
+                              f"actor ranks (--actor.num_gpus_per_node)")
         share = 1.0 / (len(members["all"]) + 1)
         engines = [EnginePlacement(i, "all", tuple(range(i * engine_tp, (i + 1) * engine_tp)), share)
                    for i in range(num_engines)]

@@ -16,7 +16,20 @@ the model's ranks, ``T`` = trainable parameters (all of them, or LoRA's adapters
 - a vLLM engine: its weights ``P*p/TP`` per device, inside the ``--vllm.gpu_memory_utilization``
   fraction of the device it reserves (weights + KV cache).
 
-Activations, CUDA context and fragmentation are not counted.
+Activations and fragmentation are not counted.
+
+**Engines that share GPUs with models** (``--train.colocate_all`` on GPUs, or vLLM in the driver beside
+the actor on ``cuda:0``): vLLM reserves ``--vllm.gpu_memory_utilization x device`` at start-up (weights,
+activation peak, KV cache) and a wake from sleep re-maps exactly that allocation; nothing re-sizes it.
+The models' parameters never leave the device (with ``--ds.enable_sleep`` their optimizer states and
+gradients do). So start-up requires (:func:`engine_memory_check`)::
+
+    util x device  <=  device - resident models - CUDA contexts
+
+with ``resident`` the colocated models' bytes on the busiest device (parameters only under
+``--ds.enable_sleep``, else parameters + gradients + optimizer) and one CUDA context
+(:data:`CUDA_CONTEXT_GIB`) per model process on that device; ``--train.plan_only`` prints the same
+arithmetic. (gpu-review-2 F1: at the default 0.95 any real model failed to wake the KV cache.)
 """
 
 from __future__ import annotations
@@ -26,11 +39,19 @@ from dataclasses import dataclass
 
 from rlhforge.rewards.sources import reward_model_paths
 
-__all__ = ["DTYPE_BYTES", "GIB", "MemoryEstimate", "train_memory", "frozen_memory", "engine_weight_bytes",
+__all__ = ["DTYPE_BYTES", "GIB", "CUDA_CONTEXT_GIB", "MemoryEstimate", "engine_memory_check", "check_engine_memory",
+           "check_colocated_engines", "check_driver_engines", "gpu_memory", "train_memory", "frozen_memory", "engine_weight_bytes",
            "count_parameters", "effective_zero_stage", "memory_rows", "format_plan", "plan_only"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GIB = float(2 ** 30)
+CUDA_CONTEXT_GIB = 0.5
+"""Device memory one process's CUDA context takes outside the caching allocator (CUDA 12/13 with
+torch's kernels loaded lazily: 0.3-0.6 GiB on H100-class GPUs); counted per model process that shares a
+GPU with an engine."""
+DEFAULT_GPU_GIB = 80.0
+"""A GPU's memory when none is visible to measure (a CPU cluster declaring GPUs, planning a GPU run) and
+``--train.gpu_memory_gib`` is not given: the 80 GB class (H100, A100-80GB); said in the check's text."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +217,80 @@ def group_totals(plan, rows: list[Row]) -> dict[str, float | None]:
     return out
 
 
+@dataclass(frozen=True)
+class EngineMemory:
+    """The colocation arithmetic of one shared device (bytes); ``fits``: the engine can wake beside the models."""
+
+    device: float
+    util: float
+    models: tuple[tuple[str, float], ...]
+    contexts: int
+    model_sleep: bool
+    measured: str
+    engines: int = 1
+    """Engines per device (1 on Ray bundles; ``--vllm.num_engines`` when the driver's engines share one GPU)."""
+
+    @property
+    def resident(self) -> float:
+        return sum(b for _, b in self.models) + self.contexts * CUDA_CONTEXT_GIB * GIB
+
+    @property
+    def engine(self) -> float:
+        return self.util * self.device * self.engines
+
+    @property
+    def fits(self) -> bool:
+        return self.engine <= self.device - self.resident + 1.0
+
+    @property
+    def max_util(self) -> float:
+        """The largest utilization (two decimals, rounded down) that fits."""
+        import math
+
+        return max(0.0, math.floor((self.device - self.resident) / self.device / self.engines * 100) / 100)
+
+    def text(self) -> str:
+        kept = "parameters (--ds.enable_sleep offloads the rest)" if self.model_sleep else \
+            "parameters + gradients + optimizer (no --ds.enable_sleep)"
+        models = " + ".join(f"{n} {_gib(b)}" for n, b in self.models)
+        free = self.device - self.resident
+        verdict = "fits" if self.fits else "does not fit"
+        many = f" x {self.engines} engines" if self.engines > 1 else ""
+        return (f"--vllm.gpu_memory_utilization {self.util:g} x {_gib(self.device)} GiB ({self.measured}){many} = "
+                f"{_gib(self.engine)} GiB for the engines; the models beside it keep {_gib(self.resident)} GiB on the "
+                f"busiest GPU ({models} GiB of {kept} + {self.contexts} CUDA context(s) x {CUDA_CONTEXT_GIB:g} GiB): "
+                f"{_gib(self.device)} - {_gib(self.resident)} = {_gib(free)} GiB left for the engine: {verdict}")
+
+
+def engine_memory_check(plan, rows: list[Row], *, device_bytes: float, util: float, model_sleep: bool,
+                        measured: str = "measured", engines: int = 1) -> EngineMemory | None:
+    """The arithmetic for engines that share their GPUs with models (None: no engine shares a GPU, or a
+    model's size is unknown). ``rows`` from :func:`memory_rows`; rank ``i`` of every colocated model sits on
+    bundle ``i``, so bundle 0 holds one rank of each: the busiest device."""
+    shared = {e.pg for e in plan.engines} & {g.pg for g in plan.groups.values()}
+    if plan.device != "cuda" or not shared:
+        return None
+    key = next(iter(shared))
+    members = [r for r in rows if r.pg == key and not r.engine_tp]
+    if any(r.memory is None for r in members):
+        return None
+    models = tuple((r.name, r.memory.params if model_sleep else r.memory.device) for r in members)
+    return EngineMemory(float(device_bytes), float(util), models, len(members), model_sleep, measured, engines)
+
+
+def check_engine_memory(check: EngineMemory | None) -> None:
+    """Refuse at start-up (ConfigError, exit 2) an engine utilization that cannot wake beside the models."""
+    if check is None or check.fits:
+        return
+    from rlhforge.config.parsing import ConfigError
+
+    fix = (f"use --vllm.gpu_memory_utilization {check.max_util:g} or less" if check.max_util >= 0.05 else
+           "the models alone fill the GPU: use more GPUs (ZeRO-3 shards them), --ds.enable_sleep, or no colocation")
+    raise ConfigError(f"colocated vLLM engines cannot wake their KV cache beside the models: {check.text()}. A waking "
+                      f"engine re-maps the allocation it made at start-up (vLLM does not re-size it), so the first "
+                      f"generation would die with CUDA out-of-memory; {fix}")
+
+
 def format_plan(plan, rows: list[Row], *, dtype: str, zero_stage: int, strategy: str, adam_offload: bool,
                 gpu_util: float | None = None, engine_sleep: bool = False, available: dict | None = None) -> str:
     """The printout of ``--train.plan_only`` (docs/distributed.md shows one)."""
@@ -244,7 +339,10 @@ def plan_only(cfg, log=print) -> int:
     plan = plan_from_config(cfg, device)
     available = ray.available_resources()
     check_resources(plan, available)
-    text = report(cfg, plan, available=available, strategy=rl_strategy(cfg))
+    text, memory = report(cfg, plan, available=available, strategy=rl_strategy(cfg))
+    if memory is not None and not memory.fits:
+        log(text)
+        check_engine_memory(memory)  # exit 2 with the arithmetic (gpu-review-2 F1)
     pgs = create_placement_groups(plan)
     try:
         log(text)
@@ -267,8 +365,41 @@ def _wait_released(ray, kind: str, before: dict, timeout_s: float = 10.0) -> Non
         time.sleep(0.05)
 
 
-def report(cfg, plan, *, available=None, strategy: str = "deepspeed") -> str:
-    """The plan of ``cfg`` as :func:`format_plan` prints it (parameter counts from the config.json files)."""
+def gpu_memory(cfg, log=None) -> tuple[float, str]:
+    """Bytes of one GPU and where the number came from: ``--train.gpu_memory_gib``; the driver's GPU; a
+    one-off Ray task on a cluster GPU (30 s at most); else :data:`DEFAULT_GPU_GIB`, assumed."""
+    if cfg.train.gpu_memory_gib:
+        return cfg.train.gpu_memory_gib * GIB, "--train.gpu_memory_gib"
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory), "measured"
+    try:
+        import ray
+
+        if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0:
+            probe = ray.remote(num_gpus=0.01, num_cpus=0)(_device_memory)
+            found = ray.get(probe.remote(), timeout=30)
+            if found:
+                return float(found), "measured on a cluster GPU"
+    except Exception as err:  # noqa: BLE001 - a busy or CPU-only cluster: fall back to the assumption
+        if log is not None:
+            log(f"[rlhforge] could not measure a cluster GPU's memory ({type(err).__name__}); assuming "
+                f"{DEFAULT_GPU_GIB:g} GiB")
+    return DEFAULT_GPU_GIB * GIB, f"assumed: no GPU visible to measure; set --train.gpu_memory_gib"
+
+
+def _device_memory() -> int | None:
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+
+
+def report(cfg, plan, *, available=None, strategy: str = "deepspeed", device_memory: tuple[float, str] | None = None,
+           engines_per_device: int = 1) -> tuple[str, EngineMemory | None]:
+    """The plan of ``cfg`` as :func:`format_plan` prints it (parameter counts from the config.json files),
+    and the arithmetic of engines sharing GPUs with models (None where none do; ``device_memory``:
+    :func:`gpu_memory`'s answer, asked for when needed)."""
     dtype = dtype_name(cfg.ds.param_dtype, plan.device)
     stage = effective_zero_stage(strategy, cfg.ds.zero_stage)
     lora = cfg.ds.lora
@@ -289,6 +420,36 @@ def report(cfg, plan, *, available=None, strategy: str = "deepspeed") -> str:
         counts[name] = None if not found or None in found else (sum(c[0] for c in found), sum(c[1] for c in found))
     offload = cfg.ds.adam_offload and stage >= 1  # DeepSpeed's offload_optimizer (ZeRO-1 and up)
     rows = memory_rows(plan, counts, dtype_bytes=DTYPE_BYTES[dtype], zero_stage=stage, adam_offload=offload)
-    return format_plan(plan, rows, dtype=dtype, zero_stage=stage, strategy=strategy, adam_offload=offload,
+    text = format_plan(plan, rows, dtype=dtype, zero_stage=stage, strategy=strategy, adam_offload=offload,
                        gpu_util=cfg.vllm.gpu_memory_utilization if plan.engines else None,
                        engine_sleep=cfg.vllm.enable_sleep, available=available)
+    check = None
+    if plan.device == "cuda" and any(e.pg in {g.pg for g in plan.groups.values()} for e in plan.engines):
+        size, where = device_memory or gpu_memory(cfg)
+        check = engine_memory_check(plan, rows, device_bytes=size, util=cfg.vllm.gpu_memory_utilization,
+                                    model_sleep=cfg.ds.enable_sleep, measured=where, engines=engines_per_device)
+        text += "\n  engines sharing GPUs: " + (check.text() if check is not None else
+                                                 "not checked (a model's config.json is not readable)")
+    return text, check
+
+
+def check_colocated_engines(cfg, plan, strategy: str, log=print) -> None:
+    """Start-up (Ray): engines on the models' GPUs must fit beside them, or exit 2 with the arithmetic."""
+    if plan.device != "cuda" or not any(e.pg in {g.pg for g in plan.groups.values()} for e in plan.engines):
+        return
+    text, memory = report(cfg, plan, strategy=strategy, device_memory=gpu_memory(cfg, log))
+    check_engine_memory(memory)
+    if memory is not None:
+        log("[rlhforge] engines sharing GPUs: " + memory.text())
+
+
+def check_driver_engines(cfg, strategy: str, log=print) -> None:
+    """Start-up (no Ray): the driver's vLLM engines and every model share one GPU; same rule, same exit 2."""
+    from rlhforge.distributed.placement import plan_placement, plan_sizes
+
+    plan = plan_placement({name: 1 for name in plan_sizes(cfg)}, device="cuda", colocate_all=True, num_engines=1)
+    _, memory = report(cfg, plan, strategy=strategy, device_memory=gpu_memory(cfg, log),
+                       engines_per_device=cfg.vllm.num_engines or 1)
+    check_engine_memory(memory)
+    if memory is not None:
+        log("[rlhforge] engines sharing the GPU: " + memory.text())

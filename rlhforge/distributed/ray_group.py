@@ -22,14 +22,52 @@ from typing import Any, Callable, Sequence
 
 from rlhforge.distributed.groups import WorkerError, balanced_shards, lengths_of, pad_shards, zero_weight_copy
 
-__all__ = ["RayWorkerGroup", "WorkerHost", "create_placement_groups"]
+__all__ = ["RayWorkerGroup", "WorkerHost", "create_placement_groups", "device_env_for", "NOSET_ENV",
+           "bundles_by_node", "bundle_index"]
+
+NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+"""Set (true/1) on a cluster, Ray leaves ``CUDA_VISIBLE_DEVICES`` alone in GPU actors: every actor then sees
+every GPU of its node, and ``cuda:0`` is the same GPU for all of them."""
+
+
+def device_env_for(env, gpu_ids, *, engine: bool = False) -> dict[str, str]:
+    """The variables that put a Ray actor on the GPU(s) Ray gave it when :data:`NOSET_ENV` is set (else
+    ``{}``: Ray narrowed ``CUDA_VISIBLE_DEVICES`` itself, so ``cuda:0`` is the actor's GPU). A worker rank
+    takes ``LOCAL_RANK`` = its GPU's index (OpenRLHF does the same), or, for GPU ids that are not indexes
+    (UUIDs), a narrowed ``CUDA_VISIBLE_DEVICES``; an engine (vLLM on ``cuda:0`` in the actor) always gets
+    ``CUDA_VISIBLE_DEVICES``. ``gpu_ids``: ``ray.get_gpu_ids()`` in the actor. (gpu-review-2 F4: without it
+    every rank and every TP=1 engine sat on GPU 0.)"""
+    if str(env.get(NOSET_ENV, "")).lower() not in ("1", "true") or not gpu_ids:
+        return {}
+    ids = [str(i) for i in gpu_ids]
+    if engine or not all(i.isdigit() for i in ids):
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids), **({} if engine else {"LOCAL_RANK": "0"})}
+    return {"LOCAL_RANK": ids[0]}
+
+
+def bundles_by_node(table: dict, node_ids: list[str] | None = None) -> list[int]:
+    """Bundle indexes of one placement group ordered by node (``table``: the group's entry of
+    ``ray.util.placement_group_table()``, whose ``bundles_to_node_id`` maps bundle -> node). Ray does not
+    promise that consecutive bundles of a multi-node PACK group share a node, and rank ``i`` (and engine
+    ``i``'s TP workers) take the ``i``-th entry, so ranks that form a TP engine, a ring or an AutoTP group
+    stay on one node. Nodes keep the order of their first bundle; a one-node group is unchanged.
+    (gpu-review-2 F7; OpenRLHF's ``get_bundle_indices``.)"""
+    where = {int(b): n for b, n in table.get("bundles_to_node_id", {}).items()}
+    bundles = sorted(where) if where else list(range(len(table.get("bundles", {}))))
+    order: dict[str, int] = {}
+    for b in bundles:
+        order.setdefault(where.get(b, ""), len(order))
+    return sorted(bundles, key=lambda b: (order[where.get(b, "")], b))
 
 
 class WorkerHost:
     """The Ray actor around one worker: environment first, then the worker, then method calls."""
 
     def __init__(self, env: dict[str, str]):
+        import ray
+
         os.environ.update(env)
+        os.environ.update(device_env_for(os.environ, ray.get_gpu_ids()))  # RAY_EXPERIMENTAL_NOSET_...: its own GPU
         self.worker = None
 
     def address(self) -> tuple[str, int]:
@@ -68,7 +106,8 @@ class WorkerHost:
 
 
 def create_placement_groups(plan, timeout_s: float = 120.0) -> dict[str, Any]:
-    """One Ray placement group per key of ``plan.bundles`` (strategy PACK), ready."""
+    """One Ray placement group per key of ``plan.bundles`` (strategy PACK), ready; each knows its bundles in
+    node order (:func:`bundle_index`)."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -79,8 +118,15 @@ def create_placement_groups(plan, timeout_s: float = 120.0) -> dict[str, Any]:
         if not ready:
             raise WorkerError(f"Ray could not place {n} bundle(s) of {plan.bundle()} for {key} within {timeout_s:.0f} s "
                               f"(cluster resources: {ray.cluster_resources()})")
+        pg.rlhforge_bundle_order = bundles_by_node(ray.util.placement_group_table(pg))  # rank i -> this[i]
         pgs[key] = pg
     return pgs
+
+
+def bundle_index(pg, i: int) -> int:
+    """The bundle that rank (or engine bundle) ``i`` of ``pg`` takes: node-ordered (:func:`bundles_by_node`)."""
+    order = getattr(pg, "rlhforge_bundle_order", None)
+    return order[i] if order else i
 
 
 class RayWorkerGroup:
@@ -107,7 +153,7 @@ class RayWorkerGroup:
         self.hosts = []
         for rank in range(num_workers):
             opts = {"num_cpus": share, "num_gpus": share if device == "cuda" else 0,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index(pg, rank)),
                     "name": None, "max_restarts": 0}
             self.hosts.append(remote_host.options(**opts).remote(dict(base_env)))
         if process_group and num_workers > 1:

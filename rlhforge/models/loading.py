@@ -7,18 +7,28 @@ from pathlib import Path
 import torch
 
 
-def default_attn_implementation(requested: str, device: torch.device) -> str:
-    """``--ds.attn_implementation``: ``auto`` -> flash_attention_2 on CUDA where flash-attn imports, else sdpa."""
+def training_dtype_name(param_dtype: str, device: torch.device) -> str:
+    """``--ds.param_dtype`` as the strategies resolve it: ``auto`` is bf16 on CUDA, fp32 elsewhere."""
+    if param_dtype == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return param_dtype
+
+
+def default_attn_implementation(requested: str, device: torch.device, param_dtype: str = "auto") -> str:
+    """``--ds.attn_implementation``: ``auto`` -> flash_attention_2 on CUDA where flash-attn imports and the
+    model trains in bf16/fp16, else sdpa. Models load in fp32 and the strategies cast (or autocast) to the
+    training dtype; in an fp32 run q/k/v reach the kernel in fp32, which flash-attn refuses ("only supports
+    fp16 and bf16") at the first forward (gpu-review-2 F3)."""
     if requested != "auto":
         return requested
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
+    if device.type != "cuda" or training_dtype_name(param_dtype, device) not in ("bf16", "fp16"):
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
 
-            return "flash_attention_2"
-        except ImportError:
-            return "sdpa"
-    return "sdpa"
+        return "flash_attention_2"
+    except ImportError:
+        return "sdpa"
 
 
 def check_model_path(path: str) -> None:
@@ -92,7 +102,8 @@ def load_causal_lm(path: str, model_cfg, ds_cfg, device: torch.device, *, auto_c
     auto_class = auto_class or AutoModelForCausalLM
     load_kwargs = dict(
         dtype=torch.float32,
-        attn_implementation=default_attn_implementation(ds_cfg.attn_implementation, device),
+        attn_implementation=default_attn_implementation(ds_cfg.attn_implementation, device,
+                                                        getattr(ds_cfg, "param_dtype", "auto")),
         trust_remote_code=model_cfg.trust_remote_code,
         **kwargs,
     )

@@ -96,7 +96,8 @@ class RewardScorer:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.ds.param_dtype, device)
         tokenizer = load_tokenizer(path, use_fast=not cfg.data.disable_fast_tokenizer)
-        ds = DSConfig(attn_implementation=cfg.ds.attn_implementation, load_in_4bit=cfg.ds.load_in_4bit)
+        ds = DSConfig(attn_implementation=cfg.ds.attn_implementation, load_in_4bit=cfg.ds.load_in_4bit,
+                      param_dtype=cfg.ds.param_dtype)
         model = load_reward_model(path, ModelConfig(), ds, device, pad_token_id=tokenizer.pad_token_id,
                                   value_head_prefix=cfg.ds.value_head_prefix)
         if not cfg.ds.load_in_4bit:

@@ -49,9 +49,10 @@ def test_ray_driver_never_takes_a_gpu_outside_rays_accounting(tmp_path, tiny_mod
 
 
 def test_every_model_group_releases_cached_memory_before_the_engines_wake(tmp_path):
-    """Issue 30, bug 3: with vLLM's sleep mode a waking engine sizes its KV cache from the GPU's free memory,
-    so every model group first hands its cached blocks back (the call order is what is checked here: on
-    CPU there is no cache to release and vLLM has no sleep mode)."""
+    """Issue 30, bug 3: with vLLM's sleep mode a waking engine re-maps its start-up KV allocation into the GPU's
+    free memory (it does not re-size it: gpu-review-2 F1), so every model group first hands its cached blocks
+    back (the call order is what is checked here: on CPU there is no cache to release and vLLM has no sleep
+    mode)."""
     from rlhforge.trainers.rl import RLTrainer
 
     calls = []

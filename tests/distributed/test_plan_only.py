@@ -201,7 +201,8 @@ def llama8b(tmp_path_factory):
 
 
 def test_plan_only_plans_the_seed_ppo_command(gpu8_cluster, llama8b, capsys):
-    assert rl_main(_seed_argv(llama8b)) == 0
+    # ZeRO-2 keeps four whole bf16 8B models on every GPU (~60 GiB): only a 141 GB GPU leaves 0.5 for the engine
+    assert rl_main([*_seed_argv(llama8b), "--train.gpu_memory_gib", "131"]) == 0
     out = capsys.readouterr().out
     assert "placement plan: 8 GPU bundle(s) in 1 placement group(s)" in out
     for i, span in enumerate(["0-1", "2-3", "4-5", "6-7"]):
@@ -282,8 +283,112 @@ def test_several_reward_models_are_summed_per_reward_rank(tmp_path):
             "--train.plan_only"]
     cfg = parse_rl_args(argv, validate=False)
     assert plan_sizes(cfg) == {"actor": 1, "reward": 2}
-    text = report(cfg, plan_placement(plan_sizes(cfg), device="cpu"), strategy="deepspeed")
+    text, _ = report(cfg, plan_placement(plan_sizes(cfg), device="cpu"), strategy="deepspeed")
     reward = frozen_memory(2 * TINY_VALUE_PARAMS, world=2, zero_stage=2, dtype_bytes=4)
     assert f"params {_gib(reward.params)} = " in _row(text, "reward") and "0.00B" in _row(text, "reward")
     remote = parse_rl_args([*argv, "--reward.remote_url", "builtin:arithmetic"], validate=False)
     assert plan_sizes(remote) == {"actor": 1}  # a remote_url wins over the reward model
+
+
+# -------------------------------------------------------------- engines sharing GPUs (gpu-review-2 F1)
+
+# the seed's colocated 8-GPU PPO command (../shared/reference/seeds/001, its first train_ppo_ray block), in
+# OpenRLHF's own flags; the hub ids are replaced by a local folder holding Llama-3-8B's config.json
+SEED_PPO_LEGACY = """--ref_num_nodes 1 --ref_num_gpus_per_node 8 --reward_num_nodes 1 --reward_num_gpus_per_node 8
+ --critic_num_nodes 1 --critic_num_gpus_per_node 8 --actor_num_nodes 1 --actor_num_gpus_per_node 8
+ --vllm_num_engines 4 --vllm_tensor_parallel_size 2 --colocate_all_models --vllm_gpu_memory_utilization 0.5
+ --pretrain MODEL --reward_pretrain MODEL --save_path ./output/llama3-8b-rlhf --micro_train_batch_size 8
+ --train_batch_size 128 --micro_rollout_batch_size 16 --rollout_batch_size 1024 --max_epochs 1
+ --prompt_max_len 1024 --generate_max_len 1024 --zero_stage 3 --bf16 --actor_learning_rate 5e-7
+ --critic_learning_rate 9e-6 --init_kl_coef 0.01 --prompt_data builtin:arithmetic --input_key context_messages
+ --apply_chat_template --normalize_reward --gradient_checkpointing --packing_samples --vllm_enable_sleep
+ --deepspeed_enable_sleep"""
+
+
+def _legacy_seed(model: str, util: str) -> list[str]:
+    argv = SEED_PPO_LEGACY.replace("MODEL", model).split()
+    argv[argv.index("--vllm_gpu_memory_utilization") + 1] = util
+    return [*argv, "--train.plan_only"]
+
+
+def test_the_seed_colocated_command_plans_at_half_and_is_refused_at_095(gpu8_cluster, llama8b, capsys):
+    """ZeRO-3 over 8 GPUs, bf16, both sleeps: the models keep their parameter shards only,
+    actor 8030261248 x 2 / 8 + ref the same + critic and reward 7504928768 x 2 / 8 = 7.23 GiB, plus 4 CUDA
+    contexts x 0.5 GiB = 9.23 GiB per GPU. No GPU is visible here, so the GPU is taken as 80 GiB: 0.5 x 80 =
+    40 GiB fits in 80 - 9.23 = 70.77; 0.95 x 80 = 76 GiB does not (the largest that fits is 0.88)."""
+    resident = (2 * LLAMA8B_PARAMS * 2 + 2 * LLAMA8B_VALUE_PARAMS * 2) / 8 + 4 * 0.5 * GIB
+    assert f"{resident / GIB:.2f}" == "9.23"
+    assert rl_main(_legacy_seed(llama8b, "0.5")) == 0
+    out = capsys.readouterr().out
+    assert ("engines sharing GPUs: --vllm.gpu_memory_utilization 0.5 x 80.00 GiB (assumed: no GPU visible to "
+            "measure; set --train.gpu_memory_gib) = 40.00 GiB for the engines; the models beside it keep 9.23 GiB on "
+            "the busiest GPU (actor 1.87 + ref 1.87 + critic 1.75 + reward 1.75 GiB of parameters (--ds.enable_sleep "
+            "offloads the rest) + 4 CUDA context(s) x 0.5 GiB): 80.00 - 9.23 = 70.77 GiB left for the engine: fits") \
+        in out
+    line = refused_line(rl_main, _legacy_seed(llama8b, "0.95"), capsys)
+    assert "colocated vLLM engines cannot wake their KV cache beside the models" in line
+    assert "0.95 x 80.00 GiB" in line and "= 76.00 GiB for the engines" in line and "70.77 GiB left" in line
+    assert "does not fit" in line and "use --vllm.gpu_memory_utilization 0.88 or less" in line
+    # the default (0.95, the legacy command without the flag) is refused the same way
+    argv = _legacy_seed(llama8b, "0.95")
+    i = argv.index("--vllm_gpu_memory_utilization")
+    assert "0.95 x 80.00 GiB" in refused_line(rl_main, argv[:i] + argv[i + 2:], capsys)
+
+
+def test_a_measured_or_given_gpu_size_replaces_the_assumption(gpu8_cluster, llama8b, capsys):
+    """On a 141 GB GPU (131 GiB) the same command fits at 0.9: 0.9 x 131 = 117.9 <= 131 - 9.23."""
+    assert rl_main([*_legacy_seed(llama8b, "0.9"), "--train.gpu_memory_gib", "131"]) == 0
+    out = capsys.readouterr().out
+    assert "0.9 x 131.00 GiB (--train.gpu_memory_gib) = 117.90 GiB" in out and "121.77 GiB left" in out
+
+
+def test_without_deepspeed_sleep_the_whole_training_state_stays(tmp_path):
+    """No --ds.enable_sleep: gradients and Adam stay beside the engine (the GRPO seed: actor + ref + reward)."""
+    from rlhforge.distributed.plan_report import check_engine_memory, engine_memory_check
+
+    plan = plan_placement({"actor": 8, "ref": 8, "reward": 8}, device="cuda", colocate_all=True, num_engines=4,
+                          engine_tp=2)
+    counts = {"actor": (LLAMA8B_PARAMS, LLAMA8B_PARAMS), "ref": (LLAMA8B_PARAMS, LLAMA8B_PARAMS),
+              "reward": (LLAMA8B_VALUE_PARAMS, LLAMA8B_VALUE_PARAMS)}
+    rows = memory_rows(plan, counts, dtype_bytes=2, zero_stage=3, adam_offload=False)
+    check = engine_memory_check(plan, rows, device_bytes=80 * GIB, util=0.5, model_sleep=False)
+    actor = LLAMA8B_PARAMS * (2 + 2 + 12) / 8  # params, grads, fp32 master + 2 moments, all / 8 under ZeRO-3
+    frozen = (LLAMA8B_PARAMS + LLAMA8B_VALUE_PARAMS) * 2 / 8
+    assert check.resident == pytest.approx(actor + frozen + 3 * 0.5 * GIB)
+    assert check.fits and check.max_util == 0.74  # (80 - 20.08) / 80 = 0.749
+    with pytest.raises(ConfigError, match=r"use --vllm.gpu_memory_utilization 0.74 or less"):
+        check_engine_memory(engine_memory_check(plan, rows, device_bytes=80 * GIB, util=0.75, model_sleep=False))
+    # engines on their own GPUs (no colocation), or CPU bundles: nothing to check
+    apart = plan_placement({"actor": 8, "ref": 8}, device="cuda", num_engines=4, engine_tp=2)
+    assert engine_memory_check(apart, memory_rows(apart, counts, dtype_bytes=2, zero_stage=3, adam_offload=False),
+                               device_bytes=80 * GIB, util=0.95, model_sleep=False) is None
+
+
+def test_colocated_gpu_engines_need_an_actor_rank_on_every_engine_gpu():
+    """gpu-review-2 F6: a colocated engine loads by CUDA IPC from the actor rank on its GPU; engines on GPUs
+    that only the reward model uses would fail at the first sync (and be restarted, in vain)."""
+    with pytest.raises(ConfigError, match=r"4 engines x TP 1 = 4 GPUs, but the actor has 2 rank\(s\).*use at most 2 "
+                                          r"engine\(s\) at TP 1"):
+        plan_placement({"actor": 2, "reward": 4}, device="cuda", colocate_all=True, num_engines=4, engine_tp=1)
+    plan_placement({"actor": 2, "reward": 4}, device="cuda", colocate_all=True, num_engines=2, engine_tp=1)
+    plan_placement({"actor": 2, "reward": 4}, device="cpu", colocate_all=True, num_engines=4, engine_tp=1)  # gloo
+
+
+def test_the_driver_engine_and_the_models_share_one_gpu(tiny_model_dir, tmp_path, capsys):
+    """Local mode on one GPU: the driver's engine(s) and the actor (+ ref) sit on cuda:0. The tiny model's
+    bytes are negligible: two CUDA contexts (actor, ref) leave 24 - 1 = 23 GiB, so 0.95 x 24 = 22.8 fits,
+    0.97 x 24 = 23.28 does not, nor do two engines at 0.5 (24 GiB)."""
+    from rlhforge.distributed.plan_report import check_driver_engines
+    from tests.rl.helpers import rl_args
+
+    def cfg(*extra):
+        return parse_rl_args(rl_args(tiny_model_dir, tmp_path / "run", "--train.gpu_memory_gib", "24",
+                                     "--algo.kl.init_coef", "0.01", *extra), validate=False)
+
+    check_driver_engines(cfg("--vllm.gpu_memory_utilization", "0.95", "--vllm.num_engines", "1"), "torch",
+                         log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"0.97 x 24.00 GiB \(--train.gpu_memory_gib\) = 23.28 GiB .*"
+                                          r"use --vllm.gpu_memory_utilization 0.95 or less"):
+        check_driver_engines(cfg("--vllm.gpu_memory_utilization", "0.97", "--vllm.num_engines", "1"), "torch")
+    with pytest.raises(ConfigError, match=r"0.5 x 24.00 GiB \(--train.gpu_memory_gib\) x 2 engines = 24.00 GiB"):
+        check_driver_engines(cfg("--vllm.gpu_memory_utilization", "0.5", "--vllm.num_engines", "2"), "torch")

@@ -71,7 +71,9 @@ def test_deepspeed_sleep_moves_the_optimizer_side_only(stage):
         assert "lp_params" not in moved["deepspeed"] and "lp_grads" not in moved["deepspeed"]
         assert set(moved["deepspeed"]) <= set(DEEPSPEED_OFFLOAD)
         if stage == 3:  # ZeRO-3 offloads a FusedAdam's states only: a torch optimizer's are moved by rlhforge
-            assert moved["asked"] == ["contiguous_grad_buffer", "optim_states (torch optimizer)"]
+            # ... and its fp32 master partitions too (gpu-review-2 F8: they used to stay on the device)
+            assert moved["asked"] == ["contiguous_grad_buffer", "hp_params (fp32 master partitions)",
+                                      "optim_states (torch optimizer)"]
             assert moved["deepspeed"] == ["contiguous_grad_buffer"]
         else:  # (ZeRO-2 records no contiguous buffer where it keeps none)
             assert moved["asked"] == list(DEEPSPEED_OFFLOAD) and moved["deepspeed"] == ["hp_params", "optim_states"]
