@@ -175,8 +175,8 @@ def save_checkpoint(
             failure = err
     if _any_failed(strategy, failure is not None):
         raise _write_error(strategy, root, tmp, failure)
-    if strategy.is_rank0:
-        rotate_checkpoints(root, max_num, protected=protected, max_mem_gb=max_mem_gb)
+    if strategy.is_rank0:  # never the one just written (a folder may hold higher steps of an earlier run)
+        rotate_checkpoints(root, max_num, protected=protected, max_mem_gb=max_mem_gb, current=final.name)
     strategy.barrier()
     return final
 
@@ -232,15 +232,18 @@ def _size_gb(path: Path) -> float:
 
 
 def rotate_checkpoints(
-    root: Path, max_num: int, protected: tuple[str, ...] = (), max_mem_gb: float | None = None
+    root: Path, max_num: int, protected: tuple[str, ...] = (), max_mem_gb: float | None = None,
+    current: str | None = None,
 ) -> None:
     """Keep the newest ``max_num`` unprotected checkpoints, then drop the oldest while the total size
-    exceeds ``max_mem_gb``. The newest checkpoint is never removed."""
-    found = [p for _, p in list_checkpoints(root) if p.name not in protected]
+    exceeds ``max_mem_gb``. The newest checkpoint is never removed, nor ``current`` (the one just written,
+    which counts toward ``max_num``: a folder may hold higher steps of an earlier run)."""
+    found = [p for _, p in list_checkpoints(root) if p.name not in protected and p.name != current]
+    keep = max_num - (current is not None and (root / current).is_dir())
     if max_num > 0:
-        for path in found[:-max_num]:
+        for path in (found[:-keep] if keep > 0 else found):
             shutil.rmtree(path, ignore_errors=True)
-        found = found[-max_num:]
+        found = found[-keep:] if keep > 0 else []
     if max_mem_gb is not None:
         sizes = [_size_gb(p) for p in found]
         while len(found) > 1 and sum(sizes) > max_mem_gb:

@@ -77,3 +77,28 @@ def test_failed_checkpoint_write_raises_naming_the_folder_and_keeps_latest(tmp_p
         save_checkpoint(Strategy(), root, 3, {"global_step": 3})
     assert f"could not write checkpoint {root / 'step_3.tmp'}" in str(err.value)
     assert "[ENOTDIR]" in str(err.value) and "no earlier checkpoint exists" in str(err.value)
+
+
+def test_rotation_never_removes_the_checkpoint_just_written(tmp_path):
+    """Issue 47, item 2: a folder already holding higher steps of an earlier run (step_123-125) and a new run's
+    save of step_2 with --ckpt.max_num 3: the new checkpoint stays and ``latest`` names a complete folder
+    (rotation kept the highest step numbers and deleted step_2 right after ``latest`` was set to it)."""
+    from rlhforge.backend.checkpoint import save_checkpoint
+
+    class Strategy:
+        rank, world_size, is_rank0 = 0, 1, True
+
+        def barrier(self):
+            pass
+
+        def save_state(self, directory):
+            (directory / "model.pt").write_bytes(b"w")
+
+    for s in (123, 124, 125):
+        _fake(tmp_path, s)
+    final = save_checkpoint(Strategy(), tmp_path, 2, {"global_step": 2}, max_num=3)
+    assert final.name == "step_2" and (final / "model.pt").is_file()
+    assert (tmp_path / "latest").read_text() == "step_2" and latest_checkpoint(tmp_path) == final
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 124, 125]  # max_num 3, the new one among them
+    final = save_checkpoint(Strategy(), tmp_path, 3, {"global_step": 3}, max_num=1, max_mem_gb=1e-12)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3] and latest_checkpoint(tmp_path) == final  # over budget too
