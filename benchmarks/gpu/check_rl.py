@@ -1,18 +1,19 @@
 #!/usr/bin/env python3
 """The GPU check of issue 30, made for the machine it runs on (one H200, torch + transformers preinstalled,
-no vLLM / Ray / DeepSpeed, no package index, the wheels of benchmarks/gpu/fetch_wheels.sh carried in .whl/).
+no vLLM / Ray / DeepSpeed, no package index, the wheels of benchmarks/gpu/fetch_wheels.sh carried in .whl/:
+DeepSpeed among them, built here with ``DS_BUILD_OPS=0``).
 
 Run it through ``bash benchmarks/gpu/check_rl.sh`` (see benchmarks/gpu/README.md):
 
-    check_rl.py [--budget-s 420]     the check (GPU): results in benchmarks/results/gpu_check.json
+    check_rl.py [--budget-s 510]     the check (GPU): results in benchmarks/results/gpu_check.json
     check_rl.py --dry-run            print every command, run none
     check_rl.py --cpu-smoke          the same stages on CPU (gloo, shared memory, tiny model): /tmp only
 
 Stages, each in its own process with its own timeout, in order: env (versions, GPU, wheel install),
 bug1 (a host tensor in an NCCL all-reduce, and the fix), nccl_group (the weight-sync channel as an NCCL
 group of one), ipc_sync (CUDA-IPC weight sync into a plain-torch receiver: fingerprints, greedy tokens,
-s/GB), gpu_tests (pytest -m gpu), grpo_torch and grpo_fsdp2 (GRPO through rlhforge's RL CLI on a ~0.4B
-Qwen3-shaped random model, bf16), trl (TRL's GRPOTrainer side by side). The model is built in the
+s/GB), gpu_tests (pytest -m gpu), grpo_torch, grpo_fsdp2 and grpo_deepspeed (GRPO through rlhforge's RL CLI
+on a ~0.4B Qwen3-shaped random model, bf16; DeepSpeed as ZeRO-3 with ``--ds.enable_sleep --ds.adam_offload``), trl (TRL's GRPOTrainer side by side). The model is built in the
 background while the first stages run. The results JSON is rewritten after every stage (and copied to
 $OUT when that names a folder), so a later failure or a timeout keeps what ran before.
 
@@ -42,12 +43,17 @@ from gpu_metrics import now, parse_pytest, read_json, safetensors_params, write_
 
 SCHEMA = "rlhforge.gpu_check/2"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_check.json"
-ORDER = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "grpo_torch", "grpo_fsdp2", "trl")
+ORDER = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "grpo_torch", "grpo_fsdp2", "grpo_deepspeed",
+         "trl")
+STRATEGIES = ("torch", "fsdp2", "deepspeed")
 # per-stage timeouts (s); the whole check also stops at --budget-s. The model build runs beside bug1..gpu_tests.
 CAPS = {"gpu": {"env": 40, "bug1": 30, "nccl_group": 30, "ipc_sync": 50, "gpu_tests": 70, "model": 150,
-                "grpo_torch": 80, "grpo_fsdp2": 80, "trl": 60},
+                "grpo_torch": 80, "grpo_fsdp2": 80, "grpo_deepspeed": 150, "trl": 60},
         "cpu-smoke": {"env": 40, "bug1": 40, "nccl_group": 40, "ipc_sync": 60, "gpu_tests": 90, "model": 120,
-                      "grpo_torch": 100, "grpo_fsdp2": 100, "trl": 100}}
+                      "grpo_torch": 100, "grpo_fsdp2": 100, "grpo_deepspeed": 200, "trl": 100}}
+# issue 39, point 4: the DeepSpeed stage is ZeRO-3 with the hybrid engine's sleep and the optimizer on the host
+# (DeepSpeed from the carried wheel, built here with DS_BUILD_OPS=0: its cpu_adam op is JIT-built on first use)
+DEEPSPEED_FLAGS = ["--ds.zero_stage", "3", "--ds.enable_sleep", "--ds.adam_offload"]
 # ~0.38B parameters: 24 x (attention 3.1M + MLP 12.6M) + 1k x 1024 tied embeddings; head_dim 64; Qwen3 family
 MODEL = {"gpu": {"arch": "qwen3", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                  "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 1024},
@@ -319,6 +325,9 @@ class Check:
         if run.exists() and not self.dry:
             shutil.rmtree(run)
         flags = self.rl_flags(model, run, strategy)
+        if strategy == "deepspeed":
+            flags += DEEPSPEED_FLAGS
+            rec["ds_flags"] = DEEPSPEED_FLAGS
         rec["equivalent_cli"] = shlex.join(["python", "-m", "rlhforge.cli.train_ppo_ray", *flags])
         rec["shape"] = SHAPE[self.mode]
         self.child(name, "grpo", {**self.base_spec(), "flags": flags, "run_dir": str(run), "steps": self.a.steps})
@@ -352,7 +361,8 @@ class Check:
             if "env" in only:
                 self.env_stage()
                 self.save()
-            handle = self.start_model() if only & {"model", "grpo_torch", "grpo_fsdp2", "trl"} else None
+            needs_model = {"model", "trl"} | {f"grpo_{s}" for s in STRATEGIES}
+            handle = self.start_model() if only & needs_model else None
             self.save()
             for name in ("bug1", "nccl_group", "ipc_sync"):
                 if name in only:
@@ -361,10 +371,10 @@ class Check:
             if "gpu_tests" in only:
                 self.gpu_tests()
                 self.save()
-            if handle is not None or (self.dry and only & {"model", "grpo_torch", "grpo_fsdp2", "trl"}):
+            if handle is not None or (self.dry and only & needs_model):
                 model = self.wait_model(handle)
                 self.save()
-                for strategy in ("torch", "fsdp2"):
+                for strategy in STRATEGIES:
                     if f"grpo_{strategy}" in only:
                         self.grpo(strategy, model)
                         self.save()
@@ -432,7 +442,7 @@ def headline(name: str, rec: dict) -> str:
             s += f"  {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, {c['errors']} errors"
         elif name == "model" and rec.get("num_params"):
             s += f"  {rec['num_params'] / 1e6:.1f}M parameters"
-        elif name in ("grpo_torch", "grpo_fsdp2", "trl") and r.get("summary"):
+        elif name in ("trl", *(f"grpo_{s}" for s in STRATEGIES)) and r.get("summary"):
             m = r["summary"]
             tps = m.get("generation_tokens_per_s_steady")
             s += (f"  {m.get('steps')} steps, gen {tps:.0f} tok/s" if tps else f"  {m.get('steps')} steps") + \
@@ -452,7 +462,7 @@ def parse(argv: list[str]):
     p = argparse.ArgumentParser(prog="check_rl.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="print every command, run none")
     p.add_argument("--cpu-smoke", action="store_true", help="the same stages on CPU (gloo, tiny model); writes to /tmp")
-    p.add_argument("--budget-s", type=float, default=None, help="the whole check (default 420; cpu-smoke 300)")
+    p.add_argument("--budget-s", type=float, default=None, help="the whole check (default 510; cpu-smoke 420)")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 3; cpu-smoke 2)")
     p.add_argument("--only", default=None, help=f"comma-separated stages to run, of: {','.join(ORDER)}")
     p.add_argument("--python", default=None, help="the Python of the children (default: this one)")
@@ -464,7 +474,7 @@ def parse(argv: list[str]):
                                                "cpu-smoke: WORK/gpu_check_cpu_smoke.json)")
     a = p.parse_args(argv)
     a.work = a.work or ("/tmp/rlhforge_gpu_check_smoke" if a.cpu_smoke else "/tmp/rlhforge_gpu_check")
-    a.budget_s = a.budget_s or (300.0 if a.cpu_smoke else 420.0)
+    a.budget_s = a.budget_s or (420.0 if a.cpu_smoke else 510.0)
     a.steps = a.steps or (2 if a.cpu_smoke else 3)
     a.site = a.site or (str(Path(a.work) / "site") if a.cpu_smoke else "/tmp/site")
     a.out = a.out or (str(Path(a.work) / "gpu_check_cpu_smoke.json") if a.cpu_smoke else str(DEFAULT_OUT))

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check of issue 30 (one H200, at most 7 minutes): NCCL all-reduce bug and fix, an NCCL sync group of
-# one, CUDA-IPC weight sync into a plain-torch receiver, the GPU-marked tests, GRPO with the torch and FSDP2
-# strategies in bf16 on a ~0.4B Qwen3-shaped model, TRL side by side. No vLLM, Ray or DeepSpeed: the machine has
-# none. Writes benchmarks/results/gpu_check.json after every stage. See benchmarks/gpu/README.md.
+# The GPU check of issue 30 (one H200, at most 8.5 minutes): NCCL all-reduce bug and fix, an NCCL sync group of
+# one, CUDA-IPC weight sync into a plain-torch receiver, the GPU-marked tests, GRPO with the torch, FSDP2 and
+# DeepSpeed strategies in bf16 on a ~0.4B Qwen3-shaped model (DeepSpeed: ZeRO-3 with --ds.enable_sleep and
+# --ds.adam_offload, from the wheel fetch_wheels.sh builds with DS_BUILD_OPS=0; its cpu_adam op is JIT-built
+# there), TRL side by side. No vLLM or Ray: the machine has none. Writes benchmarks/results/gpu_check.json after
+# every stage. See benchmarks/gpu/README.md.
 #
-#   bash benchmarks/gpu/fetch_wheels.sh            # first, on a machine with a package index: .whl/ (~2 MiB)
+#   bash benchmarks/gpu/fetch_wheels.sh            # first, on a machine with a package index: .whl/ (~7 MiB)
 #   bash benchmarks/gpu/check_rl.sh                # the check (GPU; installs .whl/*.whl into /tmp/site)
 #   bash benchmarks/gpu/check_rl.sh --dry-run      # print every command, run none
 #   bash benchmarks/gpu/check_rl.sh --cpu-smoke    # the same stages on CPU, tiny model (~1.5 min), /tmp only

@@ -12,8 +12,16 @@
 #   datasets (+ dill, multiprocess)       TRL's trainers take a datasets.Dataset (rlhforge's built-in prompts do not
 #                                         need it, but the GPU-marked tests' modules and TRL import it)
 #   trl                                   the side-by-side GRPO stage (pyproject's `bench` extra: trl>=1.16,<1.17)
+#   deepspeed (+ hjson, pydantic, pydantic-core, annotated-types, typing-inspection)
+#                                         the grpo_deepspeed stage (issue 39): DeepSpeed is an sdist only, built
+#                                         here with `pip wheel --no-deps` and DS_BUILD_OPS=0 into a pure-Python
+#                                         wheel (its ops, cpu_adam for --ds.adam_offload, are JIT-built on the
+#                                         machine with its ninja and compiler); the version is requirements/
+#                                         cuda.lock's pin. Its other needs (einops, msgpack, ninja, numpy,
+#                                         packaging, psutil, py-cpuinfo, tqdm) are on the machine.
 # typing-extensions: typeguard needs >= 4.14, newer than some torch installs bring.
-# Each wheel is py3-none-any (multiprocess: py312-none-any); their Requires-Dist are covered by the list above
+# Each wheel is py3-none-any (multiprocess: py312-none-any; pydantic-core: cp312 manylinux); their Requires-Dist
+# are covered by the list above
 # plus psutil and jinja2 (accelerate's and torch's dependencies). Fails when the total is over MAX_MIB.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -31,11 +39,25 @@ WHEELS=(
     multiprocess==0.70.19
     trl==1.16.0
 )
+# DeepSpeed and what it needs that the machine lacks, at requirements/cuda.lock's pins
+pin() { grep -E "^$1==" "$REPO/requirements/cuda.lock" | head -1 | sed -E 's/[[:space:]].*//'; }
+DS_PIN="$(pin deepspeed)"
+for name in hjson pydantic pydantic-core annotated-types typing-inspection; do
+    spec="$(pin "$name")"
+    [ -n "$spec" ] || { echo "fetch_wheels: no $name pin in requirements/cuda.lock" >&2; exit 1; }
+    WHEELS+=("$spec")
+done
+[ -n "$DS_PIN" ] || { echo "fetch_wheels: no deepspeed pin in requirements/cuda.lock" >&2; exit 1; }
 
 mkdir -p "$DEST"
 "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$DEST" "${WHEELS[@]}"
+ds_version="${DS_PIN##*==}"
+if ! ls "$DEST" | grep -qE "^deepspeed-${ds_version}-py3-none-any\.whl$"; then
+    DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps -w "$DEST" "$DS_PIN"
+fi
+WHEELS+=("$DS_PIN")
 
 # only what this list names stays (an older version left from an earlier list would be installed too)
 keep=()

@@ -84,10 +84,15 @@ def run_grpo(spec: dict, res) -> None:
         meter.wrap(RLTrainer, method, phase)
     run_dir = Path(spec["run_dir"])
     res["run_dir"] = str(run_dir)
+    flags = spec["flags"]
+    if "--ds.strategy" in flags and flags[flags.index("--ds.strategy") + 1] == "deepspeed":
+        import deepspeed  # on the GPU machine: the carried wheel (fetch_wheels.sh, DS_BUILD_OPS=0) in /tmp/site
+
+        res["deepspeed"] = {"version": deepspeed.__version__, "path": str(Path(deepspeed.__file__).parent)}
     res.save()
     t = time.time()
     try:
-        rc = train_ppo_ray.main(spec["flags"])
+        rc = train_ppo_ray.main(flags)
     except SystemExit as err:  # user_errors() turns a bad flag / failed run into an exit status
         rc = err.code if isinstance(err.code, int) else 1
     res["rc"], res["run_s"] = rc, round(time.time() - t, 2)

@@ -4,6 +4,7 @@ passing results JSON in the work folder, never in benchmarks/results/."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -15,7 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu" / "check_rl.sh"
-STAGES = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "grpo_torch", "grpo_fsdp2", "trl")
+STAGES = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "grpo_torch", "grpo_fsdp2", "grpo_deepspeed",
+          "trl")
 
 
 def _load(name: str):
@@ -51,6 +53,42 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path):
     assert not out.exists() and not work.exists()  # nothing ran, nothing was written
 
 
+def test_dry_run_plans_the_deepspeed_stage_from_the_carried_wheel(tmp_path):
+    """Issue 39, point 4: the check runs GRPO under DeepSpeed ZeRO-3 with the hybrid engine's sleep and the
+    optimizer on the host, on the GPU in bf16, after installing the DeepSpeed wheel carried in .whl/ (built with
+    DS_BUILD_OPS=0 by fetch_wheels.sh at requirements/cuda.lock's pin)."""
+    import re
+
+    pin = re.search(r"^deepspeed==(\S+)", (REPO / "requirements" / "cuda.lock").read_text(), re.M).group(1)
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    ds_wheel = wheels / f"deepspeed-{pin}-py3-none-any.whl"
+    ds_wheel.write_bytes(b"")  # the dry run only names it
+    work, out = tmp_path / "work", tmp_path / "out.json"
+    r = _run(["--dry-run", "--only", "env,model,grpo_deepspeed", "--wheels", str(wheels), "--work", str(work),
+              "--out", str(out)], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    install = next(ln for ln in lines if ln.startswith("DRY-RUN [env: wheel install]"))
+    assert str(ds_wheel) in install and "--no-index" in install and "--no-deps" in install
+    stage = next(ln for ln in lines if ln.startswith("DRY-RUN [grpo_deepspeed]"))
+    assert "(timeout 150s)" in stage and "check_rl_child.py grpo" in stage
+    spec = json.loads(next(ln for ln in lines if ln.strip().startswith("grpo_deepspeed.spec.json:")).split(":", 1)[1])
+    flags = spec["flags"]
+    opt = {f: flags[flags.index(f) + 1] for f in ("--ds.strategy", "--ds.zero_stage", "--ds.param_dtype", "--train.device")}
+    assert opt == {"--ds.strategy": "deepspeed", "--ds.zero_stage": "3", "--ds.param_dtype": "bf16",
+                   "--train.device": "cuda"}
+    assert "--ds.enable_sleep" in flags and "--ds.adam_offload" in flags
+    assert spec["device"] == "cuda" and spec["steps"] == 3
+    assert not any("[grpo_torch]" in ln or "[trl]" in ln for ln in lines)  # --only
+    assert not out.exists() and not work.exists()
+    # the RL CLI takes these flags (a refusal would fail the stage on the GPU at its first line)
+    from rlhforge.cli.train_ppo_ray import parse_rl_args
+
+    cfg = parse_rl_args(flags)
+    assert (cfg.ds.strategy, cfg.ds.zero_stage, cfg.ds.enable_sleep, cfg.ds.adam_offload) == ("deepspeed", 3, True, True)
+
+
 def test_cpu_smoke_refuses_to_write_into_benchmarks_results(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT.parent / "check_rl.py"), "--cpu-smoke", "--work", str(tmp_path),
                         "--out", str(REPO / "benchmarks" / "results" / "gpu_check_smoke.json")],
@@ -79,13 +117,13 @@ def test_cpu_smoke_runs_every_stage_to_a_passing_json(tmp_path):
     results = REPO / "benchmarks" / "results" / "gpu_check.json"
     before = results.stat().st_mtime if results.exists() else None
     work = tmp_path / "work"
-    r = _run(["--cpu-smoke", "--no-install", "--work", str(work)], timeout=420)
+    r = _run(["--cpu-smoke", "--no-install", "--work", str(work)], timeout=560)
     data = json.loads((work / "gpu_check_cpu_smoke.json").read_text())
     assert r.returncode == 0, (data.get("failed_stages"), r.stdout[-4000:], r.stderr[-2000:])
     assert data["mode"] == "cpu-smoke" and data["ok"] and data["exit_code"] == 0
     st = data["stages"]
     assert list(st) == ["env", "model", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "grpo_torch", "grpo_fsdp2",
-                        "trl"]
+                        "grpo_deepspeed", "trl"]
     for name, rec in st.items():
         assert rec["status"] in ("ok", "n/a"), (name, rec)
     assert st["trl"]["status"] == ("ok" if importlib.util.find_spec("trl") else "n/a")
@@ -98,7 +136,9 @@ def test_cpu_smoke_runs_every_stage_to_a_passing_json(tmp_path):
     assert ipc["fingerprints_equal"] and ipc["fingerprint_differs_before_sync"]
     assert ipc["greedy"]["equal_prompts"] == ipc["greedy"]["prompts"] == 16
     assert st["gpu_tests"]["counts"]["failed"] == 0 and st["gpu_tests"]["counts"]["skipped"] >= 1
-    for name in ("grpo_torch", "grpo_fsdp2"):
+    assert st["grpo_deepspeed"]["ds_flags"] == ["--ds.zero_stage", "3", "--ds.enable_sleep", "--ds.adam_offload"]
+    assert st["grpo_deepspeed"]["result"]["deepspeed"]["version"] == importlib.metadata.version("deepspeed")
+    for name in ("grpo_torch", "grpo_fsdp2", "grpo_deepspeed"):
         summary = st[name]["result"]["summary"]
         assert summary["steps"] == 2 and summary["per_step"][0]["generated_tokens"] > 0, name
         assert {"generation", "training", "sync"} <= set(summary["phase_s_mean"]), name
