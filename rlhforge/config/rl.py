@@ -330,6 +330,15 @@ class RLTrainConfig:
     """Prove every step that the tokens trained on are the tokens the engine saw and produced, turn by
     turn (no re-tokenisation drift; feedback masked; docs/reliability.md): a mismatch stops the run
     naming the sample, turn and position (exit 3). Costs a copy of each turn's input. rlhforge-specific."""
+    sync_probe_bound: float | None = None
+    """After every weight sync (always on) the engines score a fixed probe (the run's first prompts) and
+    their log-probs are compared with the actor's on the same tokens (``sync/probe_logprob_diff``: mean
+    absolute per-token difference, the largest over engines). Above this bound the run stops (exit 4)
+    naming the engine and the sync: the weights arrived but are not in effect. None: 1e-3 when engines
+    and trainer run in fp32, 0.1 when either runs in bf16/fp16 (docs/rl.md, "Weights in effect after
+    every sync"). rlhforge-specific."""
+    sync_probe_tokens: int = 128
+    """Tokens of that probe (at least 2): the first prompts of the dataset, in order, cut at this many."""
     agent_openai_prefix_mismatch: Literal["error", "new_segment"] = "error"
     """OpenAI-client agents: a request whose prompt does not extend the recorded conversation fails
     the sample (``error``) or restarts the trajectory from it (``new_segment``: only the last

@@ -55,6 +55,18 @@ def validate_workers(cfg) -> None:
     _validate_ring_attention(cfg)
     _validate_tensor_parallel(cfg)
     _validate_distributed(cfg)
+    _validate_sync_probe(cfg)
+
+
+def _validate_sync_probe(cfg) -> None:
+    """The post-sync effect check (rlhforge.backend.sync_probe): a probe of 2+ tokens, a positive bound."""
+    t = cfg.train
+    if t.sync_probe_tokens < 2:
+        raise ConfigError(f"--train.sync_probe_tokens must be >= 2 (got {t.sync_probe_tokens}): the first token of "
+                          "a sequence has no log-prob")
+    if t.sync_probe_bound is not None and not t.sync_probe_bound > 0:
+        raise ConfigError(f"--train.sync_probe_bound must be > 0 (got {t.sync_probe_bound}); leave it out for the "
+                          "default of the run's precision")
 
 
 def _validate_ring_attention(cfg) -> None:

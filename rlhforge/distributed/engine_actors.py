@@ -93,6 +93,10 @@ class EngineHost:
     def load_ipc(self, entries: list, handles_by_gpu: dict, fingerprint: bool = False, last: bool = False) -> int:
         return self.engine.load_ipc(entries, handles_by_gpu, fingerprint, last)
 
+    def probe_logprobs(self, prompts: list) -> list:
+        """The post-sync probe scored by this engine (rlhforge.backend.sync_probe)."""
+        return self.engine.probe_logprobs(prompts)[0][1]
+
     def sleep(self) -> None:
         self.engine.sleep()
 
@@ -255,6 +259,14 @@ class EngineActors:
         reports = self._wait([(e, e.handle.sync_report.remote()) for e in live], "the engines' sync reports")
         check_sync_reports(expected, [(f"vLLM engine {e.index}", r) for e, r in zip(live, reports)],
                            self.synced_versions)
+
+    def probe_logprobs(self, prompts) -> list[tuple[str, list[list[float]]]]:
+        """Every live engine's scoring of the post-sync probe (rlhforge.backend.sync_probe), named as in
+        :meth:`verify`; within ``--vllm.sync_timeout_s``."""
+        live = [e for e in self.engines if e.alive]
+        rows = self._wait([(e, e.handle.probe_logprobs.remote([list(p) for p in prompts])) for e in live],
+                          "the post-sync probe")
+        return [(f"vLLM engine {e.index}", r) for e, r in zip(live, rows)]
 
     def _sync(self, actor, live: list[_Engine], fp: bool) -> list:
         actor_side = None  # the actor ranks' calls of the same transfer, waited on with the engines'

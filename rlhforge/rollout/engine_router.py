@@ -81,6 +81,11 @@ class EngineRouter:
         """``(engine name, its workers' reports)`` of the last sync, for every engine."""
         return [(f"{name} {i}", reps) for i, e in enumerate(self.engines) for name, reps in e.sync_reports()]
 
+    def probe_logprobs(self, prompts) -> list[tuple[str, list[list[float]]]]:
+        """Every engine's scoring of the post-sync probe (rlhforge.backend.sync_probe), each named."""
+        return [(f"{name} {i}", rows) for i, e in enumerate(self.engines)
+                if hasattr(e, "probe_logprobs") for name, rows in e.probe_logprobs(prompts)]
+
     def sleep(self) -> None:
         for engine in self.engines:
             engine.sleep()

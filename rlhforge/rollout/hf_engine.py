@@ -158,6 +158,19 @@ class HFEngine:
         """The last sync's report (rlhforge.backend.fingerprint.SyncReport), as the other engines give it."""
         return [("HF engine", [dict(self._report) if self._report else None])]
 
+    @torch.no_grad()
+    def probe_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[tuple[str, list[list[float]]]]:
+        """The post-sync check's scoring (rlhforge.backend.sync_probe): for each sequence, the log-prob of
+        every token after the first under the engine's weights as they are now (temperature 1, no
+        filtering; one plain forward per sequence)."""
+        rows = []
+        with self._lock:
+            for ids in prompts:
+                x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+                logits = self.model(input_ids=x).logits[0, :-1].float()
+                rows.append(torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu().tolist())
+        return [("HF engine", rows)]
+
     def sleep(self) -> None:  # nothing to release: the copy lives in host memory on CPU
         pass
 

@@ -245,6 +245,27 @@ class VLLMEngine:
                 check_expanded_prompt(p, o.prompt_token_ids, f"request {i}")
         return [self._convert(o, sp) for o, sp in zip(outs, params)]
 
+    def probe_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[tuple[str, list[list[float]]]]:
+        """The post-sync check's scoring (rlhforge.backend.sync_probe): for each sequence, the log-prob of
+        every token after the first under the weights the kernels use now. vLLM's prompt log-probs
+        (``prompt_logprobs=0``: the prompt's own token at each position, ``log_softmax`` of the raw logits,
+        no temperature or filtering whatever ``logprobs_mode``; a request with prompt log-probs never
+        reads the prefix cache) of a one-token generation."""
+        import vllm
+
+        sp = vllm.SamplingParams(n=1, max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        with self._lock, self._engine_threads():
+            outs = self.llm.generate(inputs, [sp] * len(inputs), use_tqdm=False)
+        rows = []
+        for p, o in zip(prompts, outs):
+            lps = o.prompt_logprobs
+            if lps is None or len(lps) != len(p):
+                raise RuntimeError(f"vLLM returned {0 if lps is None else len(lps)} prompt log-probs for "
+                                   f"{len(p)} tokens")
+            rows.append([float(lps[i][int(p[i])].logprob) for i in range(1, len(p))])
+        return [("vLLM engine", rows)]
+
     def _check_vision(self, prompts, vision) -> Sequence | None:
         """``vision`` when some request has images (one entry per prompt), else None."""
         if vision is None or all(v is None for v in vision):

@@ -36,6 +36,9 @@ from rlhforge.agents.episode import AgentError, drop_failed_groups
 from rlhforge.agents.single_turn import PromptRequest, SingleTurnExecutor
 from rlhforge.algorithms import dynamic_filter, make_kl_controller
 from rlhforge.backend.fingerprint import check_engine_sync
+from rlhforge.backend.sync_probe import (PROBE_FALLBACK_TEXT, check_probe, compare_probe, default_probe_bound,
+                                         probe_prompts)
+from rlhforge.config.rl_workers import uses_ray
 from rlhforge.config.batching import RLBatchPlan
 from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
 from rlhforge.rollout.engine import SamplingParams
@@ -221,6 +224,7 @@ class RLTrainer(RLCheckpointing, RLExperience):  # rl_ckpt.py: checkpoints, resu
             self.kl_ctl.update(exp_metrics["actor/kl_ref"], len(samples))
         self.state.global_step += 1
         self.sync_weights()
+        metrics.update(getattr(self, "sync_metrics", {}))  # the post-sync probe (sync/probe_*)
         t4 = time.perf_counter()
         tokens = sum(len(s) for s in samples)
         step_s = t4 - t0 + (0.0 if self.cfg.train.async_enable else batch.generation_s)
@@ -354,27 +358,98 @@ class RLTrainer(RLCheckpointing, RLExperience):  # rl_ckpt.py: checkpoints, resu
     def _wake_engine(self) -> None:
         """Wake the engines; with vLLM's sleep mode, every model group first hands its cached, unused device
         memory back (a colocated engine sizes its KV cache from what the GPU has free)."""
+        self._release_model_caches()
+        self.engine.wake_up()
+
+    def _release_model_caches(self) -> None:
+        """With vLLM's sleep mode (engines sharing GPUs with the models), every model group hands its cached,
+        unused device memory back before an engine maps memory: its KV cache (:meth:`_wake_engine`) or its
+        weights (a sync, :meth:`sync_weights`)."""
         if self.cfg.vllm.enable_sleep:
             for g in (self.actor, self.critic, self.ref, getattr(self, "reward_group", None)):
                 if g is not None:
                     g.call("release_cached_memory")
-        self.engine.wake_up()
 
     def sync_weights(self) -> None:
         """Gather the actor's full weights (all ranks take part; rank 0 returns them) and load them into
-        the engines; then tell the rollout source which weights version the engines hold."""
+        the engines; check that they arrived (fingerprints) and are in effect (the probe:
+        :meth:`_check_probe`); then tell the rollout source which weights version the engines hold."""
         sync_from = getattr(self.engine, "sync_from", None)  # engine actors: straight from actor rank 0
         state = None if sync_from else self.actor.gather_weights()
         with self._engine_guard():
+            self._release_model_caches()  # before the engines' weights wake (sleep mode)
             if sync_from:
                 sync_from(self.actor)  # verifies every engine's fingerprint itself
             else:
                 self.engine.update_weights(state)
                 check_engine_sync(self.engine, self.actor.call("sent_fingerprint")[0], self.state.global_step)
+            self._check_probe()
             self.engine_version = self.state.global_step
         rollouts = getattr(self, "rollouts", None)
         if rollouts is not None:
             rollouts.synced(self.state.global_step)
+
+    # ------------------------------------------------------------------------------------ post-sync probe
+    def _probe(self) -> tuple[list[list[int]], list[ExperienceSample]]:
+        """The run's fixed probe (backend.sync_probe.probe_prompts): its token ids and, for the actor's
+        log-prob pass, the same sequences as experience samples (every token after the first scored)."""
+        probe = getattr(self, "_probe_cache", None)
+        if probe is None:
+            text_only = (p.ids for p in self.prompts if getattr(p, "vision", None) is None)
+            tok = getattr(self.tokenizer, "tokenizer", self.tokenizer)  # a VLM's processor holds its tokenizer
+            ids = probe_prompts(text_only, self.cfg.train.sync_probe_tokens,
+                                fallback=lambda: tok.encode(PROBE_FALLBACK_TEXT))
+            probe = self._probe_cache = (ids, [ExperienceSample(list(p), [0] + [1] * (len(p) - 1), 0.0, 0.0)
+                                               for p in ids])
+        return probe
+
+    def _probe_bound(self) -> float:
+        """``--train.sync_probe_bound``, else the default of the run's precision (engines follow the trainer's
+        ``--ds.param_dtype``; ``auto`` is fp32 only where the models surely run on CPU)."""
+        t = self.cfg.train
+        if t.sync_probe_bound is not None:
+            return float(t.sync_probe_bound)
+        prec = self.cfg.ds.param_dtype
+        if prec == "auto":
+            on_cpu = t.device == "cpu" or (not uses_ray(self.cfg) and not torch.cuda.is_available())
+            prec = "fp32" if on_cpu else "bf16"
+        return default_probe_bound(prec, prec)
+
+    def _check_probe(self) -> None:
+        """After a sync: every engine scores the probe, the actor scores it through its old-log-prob pass, and
+        an engine whose mean absolute difference exceeds the bound stops the run (WeightsNotInEffect, exit 4)
+        naming it and the sync. Sets ``sync_metrics`` (``sync/probe_logprob_diff`` and ``_max``: the largest over
+        engines; ``sync/probe_policy_change``: how far the actor's own probe log-probs moved since the previous
+        sync, i.e. what an engine that kept the old weights would show). Engines without ``probe_logprobs``
+        (test doubles, a user's engine) are not checked."""
+        score = getattr(self.engine, "probe_logprobs", None)
+        if score is None:
+            self.sync_metrics = {}
+            return
+        t0 = time.perf_counter()
+        ids, samples = self._probe()
+        if self.cfg.vllm.enable_sleep:  # scoring needs the KV cache: wake it, and sleep again after
+            self._wake_engine()
+        try:
+            engines = score(ids)
+        finally:
+            if self.cfg.vllm.enable_sleep:
+                self.engine.sleep()
+        if not engines:  # a router over engines that cannot score
+            self.sync_metrics = {}
+            return
+        rows = self.actor.map_gather("logprobs", samples, self.cfg.rollout.micro_batch_size, 1.0)
+        trainer = [r[1:].tolist() for r in rows]
+        stats = compare_probe(trainer, engines)
+        metrics = {"sync/probe_logprob_diff": max(m for m, _ in stats.values()),
+                   "sync/probe_logprob_diff_max": max(x for _, x in stats.values())}
+        previous = getattr(self, "_probe_previous", None)
+        if previous is not None:
+            metrics["sync/probe_policy_change"] = compare_probe(previous, [("", trainer)])[""][0]
+        self._probe_previous = trainer
+        metrics["timing/sync_probe"] = time.perf_counter() - t0
+        self.sync_metrics = metrics
+        check_probe(stats, self._probe_bound(), self.state.global_step)
 
     # ------------------------------------------------------------------------------------ eval
     @torch.no_grad()

@@ -83,6 +83,54 @@ def test_every_model_group_releases_cached_memory_before_the_engines_wake(tmp_pa
         assert calls == expected
 
 
+@pytest.mark.parametrize("path", ["sync_from", "update_weights"])
+def test_every_model_group_releases_cached_memory_before_a_sync_wakes_the_engines_weights(tmp_path, path):
+    """Review 2, F5: with vLLM's sleep mode a sync wakes the engines' weights (``_wake_weights``) next to the
+    models' caching allocators, so every model group first hands its cached blocks back, before ``sync_from``
+    (engine actors) or ``update_weights`` (in-driver engines). Call order only (CPU: nothing to release)."""
+    from rlhforge.trainers.rl import RLTrainer
+    from rlhforge.trainers.rl_ckpt import RLState
+
+    calls = []
+
+    class Group:
+        def __init__(self, name):
+            self.name = name
+
+        def call(self, method, *args):
+            calls.append((self.name, method))
+            return [None]
+
+        def gather_weights(self):
+            calls.append((self.name, "gather_weights"))
+            return {}
+
+    class Engine:  # no sync reports, no probe: a test double the trainer does not check
+        def update_weights(self, state):
+            calls.append(("engine", "update_weights"))
+
+    class ActorEngines(Engine):
+        def sync_from(self, actor):
+            calls.append(("engine", "sync_from"))
+
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.actor, trainer.critic, trainer.ref, trainer.reward_group = (Group("actor"), Group("critic"),
+                                                                        Group("ref"), Group("reward"))
+    trainer.engine = ActorEngines() if path == "sync_from" else Engine()
+    trainer.state = RLState()
+    release = [(g, "release_cached_memory") for g in ("actor", "critic", "ref", "reward")]
+    for sleep in (True, False):
+        trainer.cfg = parse_rl_args(_cfg(tmp_path, "--vllm.num_engines", "1", *(["--vllm.enable_sleep"] if sleep
+                                                                                 else [])), validate=False)
+        calls.clear()
+        trainer.sync_weights()
+        synced = [c for c in calls if c[0] == "engine"]
+        assert synced == [("engine", path)]
+        before = calls[: calls.index(synced[0])]
+        assert [c for c in before if c[1] == "release_cached_memory"] == (release if sleep else [])
+        assert all(c[1] != "release_cached_memory" for c in calls[calls.index(synced[0]):])
+
+
 def test_deepspeed_sleep_with_zero_0_is_refused_at_start_up(tmp_path):
     with pytest.raises(ConfigError, match="--ds.enable_sleep under DeepSpeed needs --ds.zero_stage 1-3"):
         parse_rl_args(_cfg(tmp_path, "--ds.strategy", "deepspeed", "--ds.zero_stage", "0", "--ds.enable_sleep"))

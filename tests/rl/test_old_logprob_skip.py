@@ -16,9 +16,10 @@ def _run(tiny_model_dir, out, reward, monkeypatch, skip: bool, *extra):
     calls = {"logprobs": 0}
     original = ActorWorker.logprobs
 
-    def counting(self, *a, **k):
-        calls["logprobs"] += 1
-        return original(self, *a, **k)
+    def counting(self, samples, *a, **k):
+        if any("rollout_logprobs" in s.tensors for s in samples):  # not the post-sync probe (no rollout)
+            calls["logprobs"] += 1
+        return original(self, samples, *a, **k)
 
     with monkeypatch.context() as m:
         m.setattr(ActorWorker, "logprobs", counting)
@@ -52,9 +53,10 @@ def test_the_pass_stays_when_an_epoch_has_two_optimizer_steps(tiny_model_dir, tm
     calls = {"logprobs": 0}
     original = ActorWorker.logprobs
 
-    def counting(self, *a, **k):
-        calls["logprobs"] += 1
-        return original(self, *a, **k)
+    def counting(self, samples, *a, **k):
+        if any("rollout_logprobs" in s.tensors for s in samples):  # not the post-sync probe (no rollout)
+            calls["logprobs"] += 1
+        return original(self, samples, *a, **k)
 
     monkeypatch.setattr(ActorWorker, "logprobs", counting)
     # 4 prompts x 2 samples = 8 samples, train.batch_size 4: two optimizer steps, pi_old must be fixed first
