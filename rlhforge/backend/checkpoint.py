@@ -246,7 +246,9 @@ def rotate_checkpoints(
         found = found[-keep:] if keep > 0 else []
     if max_mem_gb is not None:
         sizes = [_size_gb(p) for p in found]
-        while len(found) > 1 and sum(sizes) > max_mem_gb:
+        kept = _size_gb(root / current) if current is not None and (root / current).is_dir() else 0.0
+        least = 0 if current is not None else 1  # the newest (or the current one, kept aside) always stays
+        while len(found) > least and sum(sizes) + kept > max_mem_gb:
             shutil.rmtree(found.pop(0), ignore_errors=True)
             sizes.pop(0)
 

@@ -246,6 +246,10 @@ def _vllm_max_model_len(cfg: RLConfig, prompts, eval_prompts) -> int:
 
 def run(cfg: RLConfig) -> Path:
     """Train and export; returns the output folder."""
+    from rlhforge.trainers.run_folder import check_run_folder
+
+    check_run_folder(cfg.ckpt)  # a folder holding another run: refused, or --ckpt.overwrite clears it
+
     from rlhforge.distributed.groups import InProcessGroup
 
     trainer = build_trainer(cfg)

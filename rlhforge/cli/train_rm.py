@@ -49,6 +49,10 @@ def load_preference_data(cfg, tokenizer, *, force_eos: bool, use_margin: bool):
 
 def run(cfg: RMConfig) -> Path:
     """Train and export; returns the output folder. Usable from Python as well as the CLI."""
+    from rlhforge.trainers.run_folder import check_run_folder
+
+    check_run_folder(cfg.ckpt)  # a folder holding another run: refused, or --ckpt.overwrite clears it
+
     from rlhforge.backend.device import dist_info
     from rlhforge.backend.factory import build_strategy
     from rlhforge.config.batching import plan_batches

@@ -9,7 +9,7 @@ so (and docs/config.md lists every difference).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from rlhforge.config.parsing import secret
 
@@ -235,8 +235,10 @@ class CkptConfig:
     disable_ds: bool = False
     """Do not write resumable training state; with ``save_hf`` each save writes only
     ``<ckpt.path>/step_N_hf/``."""
-    path: str = "./ckpt/checkpoints"
-    """Folder of resumable checkpoints (``step_N`` sub-folders)."""
+    path: str | None = None
+    """Folder of resumable checkpoints (``step_N`` sub-folders). Default: ``<output_dir>/checkpoints_<command>``
+    (OpenRLHF's ``./ckpt/checkpoints_<command>`` with the default output folder), so a run's checkpoints
+    follow its output folder."""
     max_num: int = 3
     """Keep at most this many resumable checkpoints (oldest removed first)."""
     max_mem: int = 100_000_000
@@ -244,10 +246,21 @@ class CkptConfig:
     load_enable: bool = False
     """Resume from the latest checkpoint in ``ckpt.path`` if one exists (a missing or empty folder
     starts from scratch with a notice)."""
+    overwrite: bool = False
+    """Start a fresh run in an output folder that holds another run (its ``metrics.jsonl`` or checkpoints):
+    they are deleted first. Without it (or ``load_enable``) such a folder is refused at start-up.
+    rlhforge-specific; docs/reliability.md."""
     allow_config_change: bool = False
     """Resume even when settings that break exact resumption (data, global batch sizes, seed,
     epochs/steps, model paths) differ from the checkpoint's config (refused with exit 2 otherwise).
     rlhforge-specific; docs/reliability.md."""
+
+    CHECKPOINTS: ClassVar[str] = "checkpoints"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """``path``, or the output folder's ``checkpoints_<command>`` when unset."""
+        return self.path if self.path else f"{self.output_dir.rstrip('/') or '/'}/{self.CHECKPOINTS}"
 
 
 @dataclass(frozen=True)

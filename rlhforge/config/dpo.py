@@ -9,6 +9,7 @@ eval split ``test``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rlhforge.config.components import (
     AdamConfig,
@@ -68,6 +69,11 @@ class RefConfig:
 
 
 @dataclass(frozen=True)
+class DPOCkptConfig(CkptConfig):
+    CHECKPOINTS: ClassVar[str] = "checkpoints_dpo"
+
+
+@dataclass(frozen=True)
 class DPOConfig:
     """Direct preference optimisation (DPO; cDPO with ``--model.label_smoothing``; IPO with
     ``--model.ipo_enable``) against a frozen reference model."""
@@ -79,7 +85,7 @@ class DPOConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(adam=AdamConfig(lr=1e-5)))
     ds: DSConfig = field(default_factory=DSConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(split="test"))
-    ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(path="./ckpt/checkpoints_dpo"))
+    ckpt: DPOCkptConfig = field(default_factory=DPOCkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     local_rank: int = -1
     """Set by the ``deepspeed`` launcher; the rank is read from the environment."""

@@ -16,7 +16,7 @@ Validation lives in :mod:`rlhforge.config.rl_rules`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from rlhforge.config.deadline import DeadlineConfig
 from rlhforge.config.env_adapter import EnvAdapterConfig
@@ -434,8 +434,7 @@ class RLEvalConfig:
 
 @dataclass(frozen=True)
 class RLCkptConfig(CkptConfig):
-    path: str = "./ckpt/checkpoints_ppo_ray"
-    """Folder of resumable checkpoints (``step_N`` sub-folders)."""
+    CHECKPOINTS: ClassVar[str] = "checkpoints_ppo_ray"
     max_mem: float = float("inf")
     """Disk budget in GB for the resumable checkpoints: the oldest are removed while their total size
     exceeds it (the newest and the best are kept), as well as beyond ``max_num``."""

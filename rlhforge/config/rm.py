@@ -8,6 +8,7 @@ lr 9e-6, max_len 512).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rlhforge.config.components import (
     AdamConfig,
@@ -69,6 +70,11 @@ class RMDSConfig(DSConfig):
 
 
 @dataclass(frozen=True)
+class RMCkptConfig(CkptConfig):
+    CHECKPOINTS: ClassVar[str] = "checkpoints_rm"
+
+
+@dataclass(frozen=True)
 class RMConfig:
     """Train a pairwise (Bradley-Terry) reward model. The output folder loads with
     ``AutoModelForSequenceClassification.from_pretrained`` (one label; reward = head output at the
@@ -80,7 +86,7 @@ class RMConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(adam=AdamConfig(lr=9e-6)))
     ds: RMDSConfig = field(default_factory=RMDSConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(path="./ckpt/checkpoints_rm"))
+    ckpt: RMCkptConfig = field(default_factory=RMCkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     local_rank: int = -1
     """Set by the ``deepspeed`` launcher; the rank is read from the environment."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rlhforge.config.components import (
     CkptConfig,
@@ -47,6 +48,11 @@ class SFTModelConfig(ModelConfig):
 
 
 @dataclass(frozen=True)
+class SFTCkptConfig(CkptConfig):
+    CHECKPOINTS: ClassVar[str] = "checkpoints_sft"
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     """Supervised fine-tuning (and continued pre-training with ``--model.pretrain_mode_enable``)."""
 
@@ -56,7 +62,7 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ds: DSConfig = field(default_factory=DSConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(path="./ckpt/checkpoints_sft"))
+    ckpt: SFTCkptConfig = field(default_factory=SFTCkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     local_rank: int = -1
     """Set by the ``deepspeed`` launcher; the rank is read from the environment."""

@@ -63,10 +63,10 @@ def save_step_checkpoint(strategy, ckpt_cfg, step: int, trainer_state: dict, exp
     if ckpt_cfg.disable_ds:
         if not ckpt_cfg.save_hf:
             return None
-        path = Path(ckpt_cfg.path) / f"step_{step}_hf"
+        path = Path(ckpt_cfg.checkpoint_dir) / f"step_{step}_hf"
         export(path)
         return path
-    return save_checkpoint(strategy, ckpt_cfg.path, step, trainer_state, max_num=ckpt_cfg.max_num,
+    return save_checkpoint(strategy, ckpt_cfg.checkpoint_dir, step, trainer_state, max_num=ckpt_cfg.max_num,
                            max_mem_gb=ckpt_cfg.max_mem, export_hf=export if ckpt_cfg.save_hf else None, config=config)
 
 
@@ -82,6 +82,8 @@ def resume_trainer_state(strategy, ckpt_cfg, logger, cfg=None, plan=None) -> dic
     log = print if strategy.is_rank0 else (lambda *_a, **_k: None)
     path = find_resume_checkpoint(ckpt_cfg, strategy.is_rank0, log)
     if path is None:
+        if ckpt_cfg.load_enable:  # nothing to resume: a clean start (stale metrics set aside)
+            logger.truncate_after(0)
         return None
     if cfg is not None:
         check_resume_config(path, to_dict(cfg), ckpt_cfg.allow_config_change, log)

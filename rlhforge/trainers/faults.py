@@ -219,5 +219,5 @@ def guard_for(cfg, strategy) -> RunGuard:
     """The guard of an SFT / RM / DPO run (``cfg.train``, ``cfg.ckpt``; ranks agree through the strategy)."""
     multi = strategy.world_size > 1
     return RunGuard(grace_s=cfg.train.preempt_grace_s, max_skipped_in_row=cfg.train.max_skipped_steps_in_row,
-                    run_dir=cfg.ckpt.output_dir, ckpt_path=cfg.ckpt.path, is_rank0=strategy.is_rank0,
+                    run_dir=cfg.ckpt.output_dir, ckpt_path=cfg.ckpt.checkpoint_dir, is_rank0=strategy.is_rank0,
                     agree=strategy.all_reduce if multi else None, device=strategy.device)

@@ -18,6 +18,7 @@ from typing import Any
 
 from rlhforge.backend.checkpoint import CONFIG_FILE, checkpoint_config, latest_checkpoint, remove_partial_saves
 from rlhforge.config.parsing import ConfigError
+from rlhforge.config.paths import absolute_value
 
 __all__ = ["EXACT_RESUME_KEYS", "config_changes", "check_resume_config", "find_resume_checkpoint"]
 
@@ -49,11 +50,14 @@ def _breaks_exact(key: str) -> bool:
 
 
 def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, checkpoint's value, current value)`` for every setting that differs."""
+    """``(dotted key, checkpoint's value, current value)`` for every setting that differs. Model and
+    data paths are compared in their absolute form (:func:`rlhforge.config.paths.absolute_value`): the
+    RL driver makes local paths absolute, so ``runs/sft`` saved by an older run equals ``/abs/runs/sft``."""
     saved = _flatten(json.loads(json.dumps(saved, default=str)))
     current = _flatten(json.loads(json.dumps(current, default=str)))
     keys = sorted(set(saved) & set(current))  # a field only one side knows (another version) is not compared
-    return [(k, saved[k], current[k]) for k in keys if k not in _NOT_COMPARED and saved[k] != current[k]]
+    return [(k, saved[k], current[k]) for k in keys
+            if k not in _NOT_COMPARED and absolute_value(k, saved[k]) != absolute_value(k, current[k])]
 
 
 def _fmt(changes) -> str:
@@ -86,7 +90,7 @@ def find_resume_checkpoint(ckpt_cfg, is_rank0: bool = True, log=print) -> Path |
     leftovers of interrupted saves first."""
     if not ckpt_cfg.load_enable:
         return None
-    root = Path(ckpt_cfg.path)
+    root = Path(ckpt_cfg.checkpoint_dir)
     removed = remove_partial_saves(root) if is_rank0 else []
     path = latest_checkpoint(root)
     if path is None and is_rank0:

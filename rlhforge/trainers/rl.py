@@ -357,7 +357,9 @@ class RLTrainer(RLCheckpointing, RLExperience):  # rl_ckpt.py: checkpoints, resu
 
     def _wake_engine(self) -> None:
         """Wake the engines; with vLLM's sleep mode, every model group first hands its cached, unused device
-        memory back (a colocated engine sizes its KV cache from what the GPU has free)."""
+        memory back: a waking engine re-maps the KV cache it allocated at start-up, at its start-up size, into
+        what the GPU has free (the start-up check in distributed/plan_report.py makes that size fit beside the
+        models; the released cache is what the models' allocators would otherwise still hold)."""
         self._release_model_caches()
         self.engine.wake_up()
 

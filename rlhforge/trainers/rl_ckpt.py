@@ -39,7 +39,7 @@ class RLState:
 
 def rl_guard(cfg) -> RunGuard:
     return RunGuard(grace_s=cfg.train.preempt_grace_s, max_skipped_in_row=cfg.train.max_skipped_steps_in_row,
-                    run_dir=cfg.ckpt.output_dir, ckpt_path=cfg.ckpt.path)
+                    run_dir=cfg.ckpt.output_dir, ckpt_path=cfg.ckpt.checkpoint_dir)
 
 
 class RLCheckpointing:
@@ -55,11 +55,11 @@ class RLCheckpointing:
         protected = (f"step_{self.state.best_step}",) if self.state.best_step is not None else ()
         export = (lambda d: self.actor.call("save_hf", d)) if cfg.ckpt.save_hf else None
         state = {**self.state.as_dict(), "faults": self.guard.state_dict()}
-        path = save_checkpoint(self._ckpt_strategies(), cfg.ckpt.path, self.state.global_step, state,
+        path = save_checkpoint(self._ckpt_strategies(), cfg.ckpt.checkpoint_dir, self.state.global_step, state,
                                max_num=cfg.ckpt.max_num, protected=protected, export_hf=export,
                                max_mem_gb=cfg.ckpt.max_mem, config=to_dict(cfg))
         if self.state.best_step is not None:
-            (Path(cfg.ckpt.path) / "best").write_text(json.dumps(
+            (Path(cfg.ckpt.checkpoint_dir) / "best").write_text(json.dumps(
                 {"checkpoint": f"step_{self.state.best_step}", "metric": cfg.ckpt.best_metric_key or "eval/pass1",
                  "value": self.state.best_metric}))
         return path
@@ -71,6 +71,8 @@ class RLCheckpointing:
     def _maybe_resume(self) -> None:
         path = find_resume_checkpoint(self.cfg.ckpt)
         if path is None:
+            if self.cfg.ckpt.load_enable:  # nothing to resume: a clean start (stale metrics set aside)
+                self.logger.truncate_after(0)
             return
         check_resume_config(path, to_dict(self.cfg), self.cfg.ckpt.allow_config_change)
         state = load_checkpoint(self._ckpt_strategies(), path)

@@ -105,7 +105,7 @@ def test_openrlhf_flags_parse_and_bad_values_fail_clearly(tiny_model_dir):
            ("logexp", True, "p", 1e-5)
     defaults = parse_args(RMConfig, base)  # OpenRLHF's train_rm defaults
     assert (defaults.train.micro_batch_size, defaults.train.max_epochs, defaults.optim.adam.lr, defaults.data.max_len,
-            defaults.data.chosen_key, defaults.ckpt.path) == (1, 1, 9e-6, 512, "chosen", "./ckpt/checkpoints_rm")
+            defaults.data.chosen_key, defaults.ckpt.checkpoint_dir) == (1, 1, 9e-6, 512, "chosen", "./ckpt/checkpoints_rm")
     legacy = parse_args(RMConfig, ["--pretrain", str(tiny_model_dir), "--dataset", "x.jsonl", "--loss", "logexp",
                                    "--prompt_key", "q"], legacy=__import__("rlhforge.cli.train_rm", fromlist=["x"]).RM_LEGACY_ALIASES)
     assert legacy.model.loss_type == "logexp" and legacy.data.prompt_key == "q"
