@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
         train=TrainConfig(batch_size=args.sft_batch_size, micro_batch_size=args.sft_batch_size, max_epochs=1,
                           max_steps=args.sft_steps, seed=args.seed),
         optim=OptimConfig(adam=AdamConfig(lr=args.sft_lr), lr_warmup_ratio=0.05),
-        ckpt=CkptConfig(output_dir=str(run_dir / "sft"), path=str(run_dir / "sft" / "checkpoints")),
+        ckpt=CkptConfig(output_dir=str(run_dir / "sft"), path=str(run_dir / "sft" / "checkpoints"),
+                        overwrite=True),  # a quick start run again starts over in its folder
         logger=LoggerConfig(logging_steps=max(1, min(10, args.sft_steps // 4))),
     )
     sft.validate()
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge quickstart") -> in
         algo=AlgoConfig(advantage=AdvantageConfig(estimator="group_norm"), kl=KLConfig(init_coef=0.0)),
         data=RLDataConfig(prompt_dataset=spec("train", args.train_records), input_key="prompt",
                           label_key="answer", apply_chat_template=True, max_len=128),
-        ckpt=RLCkptConfig(output_dir=str(run_dir / "rl"), path=str(run_dir / "rl" / "checkpoints")),
+        ckpt=RLCkptConfig(output_dir=str(run_dir / "rl"), path=str(run_dir / "rl" / "checkpoints"),
+                          overwrite=True),
         logger=LoggerConfig(logging_steps=1),
     )
     rl.validate()
