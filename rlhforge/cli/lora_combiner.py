@@ -26,28 +26,24 @@ class MergeArgs:
     """Precision of the merged weights."""
 
 
-def _looks_local(path: str) -> bool:
-    """A path that cannot be a hub id (``org/name``): absolute, ./ ../ ~, or more than one ``/``."""
-    return path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") > 1 or "\\" in path
-
-
 def check_merge_paths(args: MergeArgs) -> None:
     """Refuse missing or wrong folders up front (:class:`ConfigError` naming the flag and the path)."""
     from rlhforge.config.parsing import ConfigError
+    from rlhforge.config.paths import local_hint, looks_local
 
     base = Path(args.model_path).expanduser()
     if base.exists():
         if not base.is_dir() or not (base / "config.json").is_file():
             raise ConfigError(f"--model_path {args.model_path}: not an HF model folder (no config.json)")
-    elif _looks_local(args.model_path):
-        raise ConfigError(f"--model_path {args.model_path}: folder not found")
+    elif looks_local(args.model_path):  # absolute, ./ ../ ~, a/b/c, or runs/x with runs/ here: not a hub id
+        raise ConfigError(f"--model_path {args.model_path}: folder not found{local_hint(args.model_path)}")
     lora = Path(args.lora_path).expanduser()
     if lora.exists():
         if not lora.is_dir() or not (lora / "adapter_config.json").is_file():
             raise ConfigError(f"--lora_path {args.lora_path}: not a LoRA adapter folder (no adapter_config.json; "
                               "`rlhforge sft --ds.lora.rank N` writes one)")
-    elif _looks_local(args.lora_path):
-        raise ConfigError(f"--lora_path {args.lora_path}: folder not found")
+    elif looks_local(args.lora_path):
+        raise ConfigError(f"--lora_path {args.lora_path}: folder not found{local_hint(args.lora_path)}")
     out = Path(args.output_path).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output_path {args.output_path}: exists and is not a folder")
@@ -68,6 +64,9 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge merge-lora") -> in
     args = tyro.cli(MergeArgs, args=argv, prog=prog, use_underscores=True)
     with user_errors(prog):
         check_merge_paths(args)
+        from rlhforge.models.hub import check_model_sources
+
+        check_model_sources([("--model_path", args.model_path), ("--lora_path", args.lora_path)])  # hub ids: hub reachable?
         from rlhforge.models.export import merge_lora
 
         try:

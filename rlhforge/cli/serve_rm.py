@@ -28,11 +28,16 @@ SERVE_RM_LEGACY_ALIASES: dict[str, str] = {
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.serve_rm") -> int:
     from rlhforge.cli.errors import user_errors
-    from rlhforge.rewards.server import serve
+    from rlhforge.config.paths import model_paths
 
     with user_errors(prog):
         cfg = parse_args(ServeRMConfig, argv, prog=prog, description=ServeRMConfig.__doc__,
                          legacy=SERVE_RM_LEGACY_ALIASES)
+        from rlhforge.models.hub import check_model_sources
+
+        check_model_sources(model_paths(cfg))  # a missing folder or an unreachable hub: exit 2 before loading
+        from rlhforge.rewards.server import serve
+
         serve(cfg)
     return 0
 

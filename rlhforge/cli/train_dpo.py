@@ -129,9 +129,12 @@ def run(cfg: DPOConfig) -> Path:
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_dpo") -> int:
     from rlhforge.cli.errors import user_errors
+    from rlhforge.config.paths import model_paths
+    from rlhforge.models.hub import check_model_sources
 
     with user_errors(prog):
         cfg = parse_args(DPOConfig, argv, prog=prog, description=DPOConfig.__doc__, legacy=DPO_LEGACY_ALIASES)
+        check_model_sources(model_paths(cfg))  # missing local folder / unreachable hub: exit 2 now
         run(cfg)
     return 0
 

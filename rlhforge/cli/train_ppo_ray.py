@@ -22,15 +22,19 @@ CONFIG_CLASS = RLConfig
 
 def parse_rl_args(argv: list[str] | None = None, *, prog: str | None = None, validate: bool = True,
                   warn=lambda msg: print(msg, file=sys.stderr)) -> RLConfig:
-    """defaults < ``--config`` YAML < flags; then (optionally) :func:`~rlhforge.config.rl_rules.validate_rl`."""
+    """defaults < ``--config`` YAML < flags; every model/data path that exists locally made absolute
+    (Ray workers and engines may start in another folder); then (optionally)
+    :func:`~rlhforge.config.rl_rules.validate_rl`."""
     import tyro
 
     from rlhforge.config.parsing import _pop_config_path, load_yaml
+    from rlhforge.config.paths import absolute_local_paths
 
     argv = rewrite_rl_argv(list(sys.argv[1:] if argv is None else argv), warn=warn)
     config_path = _pop_config_path(argv)
     default = load_yaml(RLConfig, config_path) if config_path else RLConfig()
     cfg = tyro.cli(RLConfig, args=argv, default=default, prog=prog, description=RLConfig.__doc__, use_underscores=True)
+    cfg = absolute_local_paths(cfg)
     if validate:
         cfg.validate()
         check_environment(cfg)
@@ -111,12 +115,15 @@ def build_trainer(cfg: RLConfig):
     from rlhforge.distributed.workers import ActorWorker, CriticWorker, InProcessGroup, RefWorker
     from rlhforge.tracking.metrics import MetricsLogger
     from rlhforge.backend.device import dist_info, resolve_device, resolve_dtype
+    from rlhforge.config.paths import model_paths
+    from rlhforge.models.hub import check_model_sources
 
     if dist_info().world_size > 1:
         raise ConfigError("rlhforge rl is a single controller: launch one process (not torchrun/deepspeed); "
                           "for several ranks per model use Ray workers (--actor.num_gpus_per_node N, "
                           "docs/distributed.md)")
     check_reward_servers(cfg)
+    check_model_sources(model_paths(cfg))  # a missing local folder or an unreachable hub: exit 2 before loading
     ray_mode = uses_ray(cfg)
     world = cfg.actor.num_nodes * cfg.actor.num_gpus_per_node if ray_mode else 1
     seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)

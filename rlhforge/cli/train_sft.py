@@ -92,9 +92,12 @@ def run(cfg: SFTConfig) -> Path:
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_sft") -> int:
     from rlhforge.cli.errors import user_errors
+    from rlhforge.config.paths import model_paths
+    from rlhforge.models.hub import check_model_sources
 
     with user_errors(prog):
         cfg = parse_args(SFTConfig, argv, prog=prog, description=SFTConfig.__doc__)
+        check_model_sources(model_paths(cfg))  # missing local folder / unreachable hub: exit 2 now
         run(cfg)
     return 0
 

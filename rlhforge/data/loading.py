@@ -250,9 +250,13 @@ def _unsupported(ext: str) -> str:
 
 
 def _looks_local(path: str) -> bool:
-    """A spec entry that is clearly meant as a local path rather than a hub id."""
+    """A spec entry that is clearly meant as a local path rather than a hub id (the model paths' rule,
+    :func:`rlhforge.config.paths.looks_local`: ``data/x`` when ``data/`` exists here, too; or a data
+    file extension)."""
+    from rlhforge.config.paths import looks_local
+
     return (
-        path.startswith(("/", "./", "../", "~", ".\\"))
+        looks_local(path)
         or "\\" in path
         or _extension(path) in SUPPORTED_EXTENSIONS
         or _extension(path) in _OTHER_FILE_EXTENSIONS

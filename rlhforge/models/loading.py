@@ -31,11 +31,15 @@ def default_attn_implementation(requested: str, device: torch.device, param_dtyp
         return "sdpa"
 
 
-def check_model_path(path: str) -> None:
-    """A path that is clearly local (absolute, ./, ../, ~) must exist: say so instead of a hub error."""
-    p = Path(path).expanduser()
-    if str(path).startswith(("/", "./", "../", "~")) and not p.exists():
-        raise FileNotFoundError(f"model folder not found: {path}")
+def check_model_path(path: str, flag: str | None = None) -> None:
+    """A path that looks local must exist: say so (naming ``flag`` when given) instead of asking the hub.
+
+    Looks local (:func:`rlhforge.config.paths.looks_local`): starts with ``.``, ``/``, ``~``, has more
+    than one ``/``, or its first component names an existing folder (``runs/rm`` when ``runs/`` exists)."""
+    from rlhforge.config.paths import missing_local_path, missing_path_message
+
+    if missing_local_path(str(path)):
+        raise FileNotFoundError(missing_path_message(str(path), flag))
 
 
 def load_tokenizer(path: str, *, chat_template: str | None = None, use_fast: bool = True, padding_side: str = "right"):
