@@ -406,15 +406,23 @@ def _load_builtin(entry: str, default_split: str) -> tuple[str, Records]:
 
 
 def _load_hub(name: str, split: str) -> tuple[str, Records]:
+    """A hub dataset; when the hub cannot be reached (one short probe, rlhforge.models.hub), only from
+    the local cache, so a missing one fails in seconds instead of after the hub client's retries."""
+    import contextlib
+
     import datasets
 
+    from rlhforge.models.hub import hub_endpoint, hub_offline, hub_unreachable, offline_for_datasets
+
+    reason = None if hub_offline() else hub_unreachable()
     try:
-        ds = datasets.load_dataset(name, split=split)
+        with offline_for_datasets() if reason else contextlib.nullcontext():
+            ds = datasets.load_dataset(name, split=split)
     except Exception as err:  # noqa: BLE001
-        raise DataError(
-            f"{name!r} is not a local file or folder, and loading it as a Hugging Face Hub dataset "
-            f"(split {split!r}) failed: {_short(err)}"
-        ) from err
+        why = (f"the Hugging Face Hub ({hub_endpoint()}) could not be reached ({reason}); from the local cache: "
+               f"{_short(err)}" if reason else f"loading it as a Hugging Face Hub dataset (split {split!r}) failed: "
+               f"{_short(err)}")
+        raise DataError(f"{name!r} is not a local file or folder, and {why}") from err
     source = f"{name}@{split}"
     if len(ds) == 0:
         raise DataError("dataset is empty", source=source)

@@ -10,6 +10,7 @@ No network call is made for local paths.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Iterable
 
@@ -60,6 +61,20 @@ def go_offline() -> None:
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     constants.HF_HUB_OFFLINE = True
+
+
+@contextlib.contextmanager
+def offline_for_datasets():
+    """``datasets`` reads its offline switch at import: force it (and the hub's) on inside the block."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
 def check_model_sources(pairs: Iterable[tuple[str, str]], *, probe: Callable[[], str | None] = hub_unreachable,

@@ -112,6 +112,48 @@ def test_missing_hub_model_through_merge_lora_fails_in_seconds(tmp_path):
     assert "--model_path BASE: not a local folder" in proc.stderr and "could not be reached" in proc.stderr
 
 
+def _fake_hub_datasets(monkeypatch, cached: bool):
+    """The hub unreachable; ``datasets.load_dataset`` answers from the 'cache' only in offline mode."""
+    import datasets
+    from huggingface_hub import constants
+
+    from rlhforge.models import hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # tests/conftest.py sets HF_HUB_OFFLINE=1: undo it here
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "hub_unreachable", lambda timeout=3.0: "ConnectError: name or service not known")
+
+    def load_dataset(name, split=None, **kwargs):
+        if not datasets.config.HF_HUB_OFFLINE:
+            raise AssertionError("asked the unreachable hub (the real client retries for ~25 s)")
+        if not cached:
+            raise FileNotFoundError(f"Dataset {name} is not cached")
+        return datasets.Dataset.from_list([{"input": "1+1"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+
+
+def test_hub_dataset_fails_fast_when_the_hub_is_unreachable(monkeypatch):
+    from rlhforge.data.errors import DataError
+    from rlhforge.data.loading import load_dataset_spec
+
+    _fake_hub_datasets(monkeypatch, cached=False)
+    with pytest.raises(DataError) as err:
+        load_dataset_spec("org/prompts", None, "train", 10)
+    assert "'org/prompts'" in str(err.value) and "could not be reached" in str(err.value)
+
+
+def test_cached_hub_dataset_loads_offline_when_the_hub_is_unreachable(monkeypatch):
+    import datasets
+
+    from rlhforge.data.loading import load_dataset_spec
+
+    _fake_hub_datasets(monkeypatch, cached=True)
+    before = datasets.config.HF_HUB_OFFLINE
+    records = load_dataset_spec("org/prompts", None, "train", 10)
+    assert [r["input"] for r in records] == ["1+1"] and datasets.config.HF_HUB_OFFLINE == before
+
+
 # --------------------------------------------------------------------------------------------- commands
 
 
