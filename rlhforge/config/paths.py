@@ -27,6 +27,8 @@ MODEL_PATH_KEYS = ("model.model_name_or_path", "actor.model_name_or_path", "crit
 DATA_PATH_KEYS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
 #: dotted keys that may name one local file (or hold something else: Jinja text, a URL, ``registry``)
 FILE_PATH_KEYS = ("data.tokenizer_chat_template", "train.agent_func_path", "reward.remote_url")
+#: dotted keys of folders a run writes (made absolute whether or not they exist yet: Ray workers write them)
+OUTPUT_PATH_KEYS = ("ckpt.output_dir", "ckpt.path")
 
 
 def _expand(path: str) -> str:
@@ -122,6 +124,8 @@ def absolute_value(key: str, value: Any) -> Any:
         return absolute_data_spec(value)
     if key in FILE_PATH_KEYS:
         return absolute_file(value)
+    if key in OUTPUT_PATH_KEYS:
+        return os.path.abspath(_expand(value))
     return value
 
 
@@ -142,11 +146,12 @@ def _replace(cfg: Any, key: str, value: Any) -> Any:
 
 
 def absolute_local_paths(cfg: Any) -> Any:
-    """A copy of config ``cfg`` whose model, data and file paths that exist locally are absolute.
+    """A copy of config ``cfg`` whose model, data and file paths that exist locally are absolute, and so are
+    its output and checkpoint folders (where the Ray workers write the checkpoints and the final model).
 
     Called by the RL driver right after parsing: Ray workers and engine actors may run in another
     working directory (a cluster started elsewhere) and would take ``runs/sft`` for a hub id."""
-    for key in (*MODEL_PATH_KEYS, *DATA_PATH_KEYS, *FILE_PATH_KEYS):
+    for key in (*MODEL_PATH_KEYS, *DATA_PATH_KEYS, *FILE_PATH_KEYS, *OUTPUT_PATH_KEYS):
         found, value = _get(cfg, key)
         if found:
             new = absolute_value(key, value)

@@ -8,6 +8,8 @@ paths became absolute still matches its checkpoint's config.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import subprocess
 import sys
@@ -220,6 +222,8 @@ def test_rl_driver_makes_local_paths_absolute_and_leaves_hub_ids(cwd_with_runs):
     assert cfg.data.prompt_dataset == f"{t / 'data' / 'p.jsonl'}@train,builtin:arithmetic,org/prompts"
     assert cfg.eval.dataset == str(t / "data" / "e.jsonl")
     assert cfg.data.tokenizer_chat_template == str(t / "tmpl.jinja")
+    # the folders the Ray workers write (checkpoints, the final model): absolute even before they exist
+    assert cfg.ckpt.output_dir == str(t / "ckpt") and cfg.ckpt.checkpoint_dir == str(t / "ckpt" / "checkpoints_ppo_ray")
     assert sorted(model_paths(cfg)) == sorted([("--actor.model_name_or_path", str(t / "runs" / "sft")),
                                                ("--critic.model_name_or_path", str(t / "runs" / "critic")),
                                                ("--reward.model_name_or_path", str(t / "runs" / "rm1")),
@@ -230,14 +234,15 @@ def test_hub_ids_and_other_values_are_left_alone(cwd_with_runs):
     from rlhforge.config.rl import RLConfig
     from rlhforge.config.sft import SFTConfig
 
-    cfg = RLConfig()
-    cfg = absolute_local_paths(cfg)
-    assert cfg == RLConfig()
+    cfg = absolute_local_paths(RLConfig())
+    assert cfg.ckpt.output_dir == str(cwd_with_runs / "ckpt")  # output folders: always absolute
+    assert dataclasses.replace(cfg, ckpt=RLConfig().ckpt) == RLConfig()  # nothing else changed
     from rlhforge.config.parsing import from_dict
 
     sft = from_dict(SFTConfig, {"model": {"model_name_or_path": "Qwen/Qwen3-0.6B"},
                                 "data": {"dataset": "org/data@test", "tokenizer_chat_template": "{{ x }}"}})
-    assert absolute_local_paths(sft) == sft
+    done = absolute_local_paths(sft)
+    assert dataclasses.replace(done, ckpt=sft.ckpt) == sft
 
 
 def test_resume_counts_a_relative_and_an_absolute_path_of_one_folder_as_equal(cwd_with_runs):
