@@ -129,6 +129,7 @@ def run(cfg: DPOConfig) -> Path:
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_dpo") -> int:
     from rlhforge.cli.errors import user_errors
+    from rlhforge.trainers.run_folder import announce_finished
     from rlhforge.config.paths import model_paths
     from rlhforge.models.hub import check_model_sources
 
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
         cfg = parse_args(DPOConfig, argv, prog=prog, description=DPOConfig.__doc__, legacy=DPO_LEGACY_ALIASES)
         check_model_sources(model_paths(cfg))  # missing local folder / unreachable hub: exit 2 now
         run(cfg)
+        announce_finished("dpo", cfg.ckpt)  # one line: the final model, the metrics, the checkpoints
     return 0
 
 

@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
 
                 return plan_only(cfg)
             run(cfg)
+            from rlhforge.trainers.run_folder import announce_finished
+
+            announce_finished("rl", cfg.ckpt)  # one line: the final model, the metrics, the checkpoints
         except RewardServerError as err:  # every HTTP reward server failed (--reward.timeout/retries used up)
             print(f"{prog}: error: reward servers failed during the run: {err}", file=sys.stderr)
             raise SystemExit(3) from None

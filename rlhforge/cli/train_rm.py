@@ -103,6 +103,7 @@ def run(cfg: RMConfig) -> Path:
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_rm") -> int:
     from rlhforge.cli.errors import user_errors
+    from rlhforge.trainers.run_folder import announce_finished
     from rlhforge.config.paths import model_paths
     from rlhforge.models.hub import check_model_sources
 
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
         cfg = parse_args(RMConfig, argv, prog=prog, description=RMConfig.__doc__, legacy=RM_LEGACY_ALIASES)
         check_model_sources(model_paths(cfg))  # missing local folder / unreachable hub: exit 2 now
         run(cfg)
+        announce_finished("rm", cfg.ckpt)  # one line: the final model, the metrics, the checkpoints
     return 0
 
 

@@ -92,6 +92,7 @@ def run(cfg: SFTConfig) -> Path:
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_sft") -> int:
     from rlhforge.cli.errors import user_errors
+    from rlhforge.trainers.run_folder import announce_finished
     from rlhforge.config.paths import model_paths
     from rlhforge.models.hub import check_model_sources
 
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.trai
         cfg = parse_args(SFTConfig, argv, prog=prog, description=SFTConfig.__doc__)
         check_model_sources(model_paths(cfg))  # missing local folder / unreachable hub: exit 2 now
         run(cfg)
+        announce_finished("sft", cfg.ckpt)  # one line: the final model, the metrics, the checkpoints
     return 0
 
 

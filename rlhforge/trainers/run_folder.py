@@ -18,7 +18,7 @@ from pathlib import Path
 from rlhforge.backend.checkpoint import list_checkpoints
 from rlhforge.config.parsing import ConfigError
 
-__all__ = ["RUN_FILES", "check_run_folder", "logged_steps"]
+__all__ = ["RUN_FILES", "check_run_folder", "logged_steps", "finished_line", "announce_finished"]
 
 #: what a run appends to in its output folder (deleted by --ckpt.overwrite)
 RUN_FILES = ("metrics.jsonl", "metrics.discarded.jsonl", "samples.jsonl", "skipped_steps.jsonl")
@@ -72,3 +72,23 @@ def check_run_folder(ckpt_cfg, *, is_rank0: bool | None = None, log=print) -> No
     for name in ("latest", "best"):
         (ckpt_dir / name).unlink(missing_ok=True)
     log(f"[rlhforge] --ckpt.overwrite: deleted the earlier run in {out} ({held})")
+
+
+def finished_line(command: str, ckpt_cfg) -> str | None:
+    """The one line a training command ends with (rank 0; None elsewhere): where the final model, the metrics
+    and the checkpoints are."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    out = Path(ckpt_cfg.output_dir)
+    parts = [f"final model (HF folder) in {out}", f"metrics in {out / 'metrics.jsonl'}"]
+    ckpts = list_checkpoints(ckpt_cfg.checkpoint_dir)
+    if ckpts:
+        parts.append(f"{len(ckpts)} resumable checkpoint(s) in {ckpt_cfg.checkpoint_dir} (latest {ckpts[-1][1].name})")
+    return f"[rlhforge] {command} finished: " + "; ".join(parts)
+
+
+def announce_finished(command: str, ckpt_cfg) -> None:
+    """Print :func:`finished_line` (rank 0)."""
+    line = finished_line(command, ckpt_cfg)
+    if line:
+        print(line, flush=True)

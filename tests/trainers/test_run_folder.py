@@ -79,6 +79,9 @@ def test_the_readme_sft_commands_back_to_back_then_resumed(tiny_model_dir, tmp_p
               "--data.dataset", "builtin:arithmetic?n=256", "--eval.dataset", "builtin:arithmetic?n=16@test",
               "--ckpt.save_steps", "2", "--logger.progress_bar", "off"]
     assert main([*common, "--train.max_steps", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (  # the one line a training command ends with
+        "[rlhforge] sft finished: final model (HF folder) in runs/sft_tiny; metrics in runs/sft_tiny/metrics.jsonl; "
+        "2 resumable checkpoint(s) in runs/sft_tiny/checkpoints_sft (latest step_4)")
     assert main([*common, "--train.max_steps", "2", "--ckpt.output_dir", "runs/sft_zero3"]) == 0
     first, second = Path("runs/sft_tiny/checkpoints_sft"), Path("runs/sft_zero3/checkpoints_sft")
     assert [s for s, _ in list_checkpoints(first)] == [2, 4] and [s for s, _ in list_checkpoints(second)] == [2]
