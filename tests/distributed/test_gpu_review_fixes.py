@@ -13,21 +13,15 @@ import torch
 
 from rlhforge.cli.train_ppo_ray import parse_rl_args
 from rlhforge.config.parsing import ConfigError
+from tests.distributed.conftest import declared_gpus
 from tests.rl.helpers import rl_args
 
 
 @pytest.fixture(scope="module")
 def gpu2_cluster(ray_module):
-    """Ray declared with 2 GPUs (nothing touches a GPU), for the module; the shared cluster is re-made after."""
-    ray = ray_module
-    was_up = ray.is_initialized()
-    if was_up:
-        ray.shutdown()
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield ray
-    ray.shutdown()
-    if was_up:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    """Ray declared with 2 GPUs for the module (tests/distributed/conftest.py)."""
+    with declared_gpus(ray_module, num_cpus=2, num_gpus=2) as ray:
+        yield ray
 
 
 def _cfg(tmp_path, *extra, validate=True):

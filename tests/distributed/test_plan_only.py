@@ -18,6 +18,7 @@ from rlhforge.distributed.plan_report import (
     memory_rows,
     train_memory,
 )
+from tests.distributed.conftest import declared_gpus
 from tests.flag_tables import refused_line
 
 SEED = {"actor": 8, "ref": 8, "critic": 8, "reward": 8}
@@ -153,22 +154,11 @@ def test_rows_of_a_colocated_plan_and_unreadable_configs():
 # --------------------------------------------------------------------------------------------- --train.plan_only
 
 
-#: the shared 2-CPU cluster of tests/distributed/conftest.py (re-made after this module if it was up)
-_SHARED_INIT = dict(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-
-
 @pytest.fixture(scope="module")
 def gpu8_cluster(ray_module):
     """Ray declared as one 8-GPU node (Ray accepts declared resources; nothing touches a GPU)."""
-    ray = ray_module
-    was_up = ray.is_initialized()
-    if was_up:
-        ray.shutdown()
-    ray.init(num_cpus=16, num_gpus=8, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield ray
-    ray.shutdown()
-    if was_up:  # the session fixture `ray_cluster` already yielded; give later modules its cluster back
-        ray.init(**_SHARED_INIT)
+    with declared_gpus(ray_module, num_cpus=16, num_gpus=8) as ray:
+        yield ray
 
 
 def _seed_argv(model, *, grpo=False, colocate=True):
