@@ -11,7 +11,8 @@ and the backward recomputes the chunk's logits. The peak is one chunk's logits a
 (``c x V`` fp32) instead of ``B x T x V``.
 
 The head is called as the module it is, so every strategy sees an ordinary module call: ZeRO-3's
-hooks gather its weight (also in the recompute), FSDP2's root keeps it unsharded for the backward,
+hooks gather its weight (also in the recompute; a frozen one, LoRA's, is multiplied through a view of it:
+:func:`_call_head`), FSDP2's root keeps it unsharded for the backward,
 LoRA / tied embeddings work unchanged. Results equal the full-logits path (fp32 per chunk, the same
 per-row matmul) to float rounding; tests/models/test_chunked_head.py checks it for every family.
 
@@ -90,8 +91,48 @@ def chunk_rows(vocab: int, chunk_elements: int | None = None) -> int:
     return max(16, (chunk_elements or CHUNK_ELEMENTS) // max(vocab, 1))
 
 
+def _zero3_frozen(head: nn.Module) -> bool:
+    """The head holds a frozen ZeRO-3 parameter (LoRA: the base model's lm_head / tied embedding)."""
+    return any(hasattr(p, "ds_id") and not p.requires_grad for p in head.parameters(recurse=False))
+
+
+def _linear_on_aliases(head: nn.Linear):
+    """``head.forward`` computing on views of the weight and bias, made while ZeRO-3's hooks hold them gathered."""
+
+    def forward(hidden: Tensor) -> Tensor:
+        bias = head.bias.view_as(head.bias) if head.bias is not None else None
+        return nn.functional.linear(hidden, head.weight.view_as(head.weight), bias)
+
+    return forward
+
+
+def _call_head(head: nn.Module, hidden: Tensor) -> Tensor:
+    """``head(hidden)``, as a module call (ZeRO-3's hooks gather the weight before and free it after).
+
+    A frozen ZeRO-3 weight is multiplied through a view of it. In the backward's recompute of a chunk
+    (:func:`torch.utils.checkpoint.checkpoint`, non-reentrant) torch keeps the tensors the matmul saves
+    as they are when they do not require grad (a trainable weight is kept as a detached alias), so it
+    would keep the frozen parameter itself; ZeRO-3 frees it at the end of the recomputed head call,
+    ``param.data = torch.empty(0)`` (DeepSpeed attributes a recompute's frozen parameters to the module
+    whose backward is running, partitioned_param_coordinator.py ``_fetch_sub_module_impl``, and none is:
+    the head runs outside the model's forward), and the checkpoint then finds shape ``[0]`` where the
+    forward saved ``[V, H]`` (``CheckpointError``). A view keeps the gathered values alive until the
+    chunk's backward has used them, as the detached alias of a trainable weight does."""
+    if not (type(head) is nn.Linear and _zero3_frozen(head)):
+        return head(hidden)
+    own = head.__dict__.get("forward")
+    head.forward = _linear_on_aliases(head)
+    try:
+        return head(hidden)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+
+
 def _chunk(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: float, entropy: bool, entropy_grad: bool):
-    z = head(hidden).float() / temperature
+    z = _call_head(head, hidden).float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
     if not entropy:
