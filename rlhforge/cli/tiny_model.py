@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rlhforge.models.tiny import TinyModelSpec
 
@@ -48,8 +49,9 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge tiny-model") -> in
             return 2
         arch, spec = PRESETS[args.preset]
         path = build_tiny_model(args.out, spec, seed=args.seed, arch=arch)
+        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 1e9
         print(f"[rlhforge] {args.preset} ({arch}, hidden {spec.hidden_size}, {spec.num_hidden_layers} layers, "
-              f"vocabulary {spec.model_vocab_size}, random weights) written to {path}")
+              f"vocabulary {spec.model_vocab_size}, random weights) written to {path}: {size:.2f} GB on disk")
         return 0
     from rlhforge.models.tiny_vlm import build_tiny_vlm, is_vlm_arch
 
@@ -60,7 +62,9 @@ def main(argv: list[str] | None = None, prog: str = "rlhforge tiny-model") -> in
     try:
         check_arch(args.arch)
     except ValueError as err:
-        print(f"[rlhforge] error: {err}", file=sys.stderr)
+        from rlhforge.models.tiny_vlm import VLM_ARCHS
+
+        print(f"[rlhforge] error: {err} (text); vision-language: {', '.join(VLM_ARCHS)}", file=sys.stderr)
         return 2
     path = build_tiny_model(args.out, args.spec, seed=args.seed, arch=args.arch)
     print(f"[rlhforge] tiny {args.arch} model written to {path}")

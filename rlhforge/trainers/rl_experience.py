@@ -41,6 +41,11 @@ class RLExperience:
         rewards = self.shaped_rewards(trajs)
         samples = samples_from_trajectories(trajs, rewards.tolist())
         checked = check_tokens(trajs, samples) if cfg.train.check_tokens else {}  # --train.check_tokens
+        if checked and not getattr(self, "_tokens_check_announced", False):  # once on the console, then metrics
+            self._tokens_check_announced = True
+            print(f"[rlhforge] --train.check_tokens: {checked['rollout/tokens_checked_samples']:.0f} samples "
+                  f"({checked['rollout/tokens_checked_turns']:.0f} engine turns) match what the engine saw and "
+                  "produced, token for token; checked every step (rollout/tokens_checked_*)", flush=True)
         mb, temp = cfg.rollout.micro_batch_size, cfg.rollout.temperature
         self.old_from_update = self._old_equals_update(len(samples))
         if self.old_from_update:  # pi_old = the update's own forward (ratio 1): no separate pass

@@ -262,9 +262,14 @@ class AgentExecutor(MultiTurnAgentExecutor):
         super().__init__(AgentInstance)
 ''')
     out = tmp_path / "ok"
+    capsys.readouterr()
     assert rl_main(agent_args(tiny_model_dir, out, data, env, "--train.check_tokens", steps=1)) == 0
     (m,) = [r for r in metrics(out) if "rollout/tokens_checked_turns" in r]
     assert m["rollout/tokens_checked_samples"] == 4 and m["rollout/tokens_checked_turns"] >= 4
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[rlhforge] --train.check_tokens:")]
+    assert said == [f"[rlhforge] --train.check_tokens: 4 samples ({m['rollout/tokens_checked_turns']:.0f} engine turns) "
+                    "match what the engine saw and produced, token for token; checked every step "
+                    "(rollout/tokens_checked_*)"]  # the console says it ran (issue 47, item 9)
 
     bad = tmp_path / "retok.py"
     bad.write_text(RETOKENISING_EXECUTOR)

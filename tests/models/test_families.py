@@ -56,8 +56,8 @@ def test_cli_tiny_model_arch_and_unknown_name(tmp_path, capsys):
                  "--spec.num_hidden_layers", "1"]) == 0
     assert '"model_type": "phi3"' in (tmp_path / "m" / "config.json").read_text()
     assert main(["--out", str(tmp_path / "x"), "--arch", "gpt9"]) == 2
-    assert "unknown --arch 'gpt9'; valid: llama, qwen2, qwen3, gemma3_text, mistral, phi3, qwen3_moe, mixtral" \
-        in capsys.readouterr().err
+    assert ("unknown --arch 'gpt9'; valid: llama, qwen2, qwen3, gemma3_text, mistral, phi3, qwen3_moe, mixtral (text); "
+            "vision-language: qwen2_vl, qwen2_5_vl, qwen3_vl") in capsys.readouterr().err
 
 
 def _check_export(arch, out, initial):
@@ -222,3 +222,17 @@ def test_grpo_two_steps_with_a_vllm_engine(family, vllm, tmp_path):
     # step 1 samples from the weights on disk, step 2 from the weights synced after step 1
     assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
     _check_export(arch, out, model_dir)
+
+
+def test_cli_tiny_model_preset_says_its_size_on_disk(tmp_path, capsys, monkeypatch):
+    """Issue 47, item 9: ``--preset qwen3-0.6b`` writes 2.3 GB; the line says how much was written."""
+    import rlhforge.models.tiny as tiny
+    from rlhforge.cli.tiny_model import main
+
+    monkeypatch.setitem(tiny.PRESETS, "test-small", ("llama", tiny.TinyModelSpec(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)))
+    assert main(["--out", str(tmp_path / "m"), "--preset", "test-small"]) == 0
+    size = sum(f.stat().st_size for f in (tmp_path / "m").rglob("*") if f.is_file()) / 1e9
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("[rlhforge] test-small (llama, hidden 64, 1 layers") and line.endswith(
+        f"written to {tmp_path / 'm'}: {size:.2f} GB on disk")
