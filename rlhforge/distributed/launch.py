@@ -21,7 +21,12 @@ RAY_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "WARN"}
 
 
 def init_ray(num_cpus: int | None = None) -> None:
-    """Connect to the cluster in ``RAY_ADDRESS`` (``ray job submit`` sets it), or start a local one."""
+    """Connect to the cluster in ``RAY_ADDRESS`` (``ray job submit`` sets it), or start a local one.
+
+    Without ``RAY_ADDRESS`` a new local cluster is started explicitly (Ray's ``address="local"``):
+    a plain ``ray.init()`` would attach to the cluster named in Ray's ``ray_current_cluster`` file,
+    which a stopped or crashed ``ray start --head`` leaves behind. A cluster that cannot be reached
+    is a one-line :class:`~rlhforge.config.parsing.ConfigError` (exit 2) naming ``RAY_ADDRESS``."""
     import ray
 
     if ray.is_initialized():
@@ -31,19 +36,23 @@ def init_ray(num_cpus: int | None = None) -> None:
     if address is None:
         kwargs["num_cpus"] = num_cpus or os.cpu_count()
         kwargs["include_dashboard"] = False
-        kwargs["_node_ip_address"] = "127.0.0.1"  # a local cluster listens on loopback only
+        kwargs["_node_ip_address"] = "127.0.0.1"  # a local cluster listens on loopback only (_keep_loopback)
     elif _is_loopback(address):
         # a cluster whose nodes run on 127.0.0.1 (docs/distributed.md, "Several nodes on one machine"): the
         # driver's node is on loopback too, and Ray must not rewrite the loopback address into the
         # machine's own one (which nothing listens on)
         kwargs["_node_ip_address"] = "127.0.0.1"
     try:
-        with _keep_loopback(address):
-            ray.init(address=address, **kwargs)
+        with _keep_loopback(address is None or _is_loopback(address)):
+            ray.init(address=address or "local", **kwargs)
     except ConnectionError as err:
         from rlhforge.config.parsing import ConfigError
 
-        raise ConfigError(f"could not connect to the Ray cluster at RAY_ADDRESS={address}: {err}") from None
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        if address is None:
+            raise ConfigError(f"could not start a local Ray cluster (RAY_ADDRESS is not set): {first}") from None
+        raise ConfigError(f"could not connect to the Ray cluster at RAY_ADDRESS={address}: {first}; "
+                          "start it (ray start --head), or unset RAY_ADDRESS for a local cluster") from None
 
 
 def _is_loopback(address: str | None) -> bool:
@@ -54,13 +63,16 @@ def _is_loopback(address: str | None) -> bool:
 
 
 @contextmanager
-def _keep_loopback(address: str | None):
-    """Ray (2.4x-2.6x) turns a loopback ``RAY_ADDRESS`` into this machine's own address before it
-    connects (``services.resolve_ip_for_localhost``), unless it believes multi-node clusters are off;
-    a cluster started on 127.0.0.1 listens on loopback only. Keep the address as given while connecting."""
+def _keep_loopback(loopback: bool):
+    """Ray (2.4x-2.6x) turns a loopback node address (``_node_ip_address``, a loopback ``RAY_ADDRESS``)
+    into this machine's own address (``services.resolve_ip_for_localhost``), unless it believes
+    multi-node clusters are off: a local cluster would then listen on every interface, and a driver
+    joining a cluster started on 127.0.0.1 would look for it where nothing listens. Keep 127.0.0.1 as
+    given while Ray starts or connects (the cluster's processes are told their address on the command
+    line, so they listen on loopback only)."""
     from ray._private import ray_constants
 
-    if not _is_loopback(address) or not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+    if not loopback or not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
         yield
         return
     saved = ray_constants.ENABLE_RAY_CLUSTER

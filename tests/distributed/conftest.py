@@ -8,8 +8,10 @@ import torch
 torch.set_num_threads(1)
 
 
-#: the shared 2-CPU cluster (re-made after a module that declared GPUs, if it was up)
-SHARED_INIT = dict(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+#: the shared 2-CPU cluster (re-made after a module that declared GPUs, if it was up); address="local":
+#: a new cluster even where a stopped ``ray start --head`` left its address in ``ray_current_cluster``
+SHARED_INIT = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                   _node_ip_address="127.0.0.1")
 
 
 @pytest.fixture(scope="session")
@@ -28,8 +30,8 @@ def declared_gpus(ray, num_cpus: int, num_gpus: int):
     was_up = ray.is_initialized()
     if was_up:
         ray.shutdown()
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+             log_to_driver=False, _node_ip_address="127.0.0.1")
     try:
         yield ray
     finally:
