@@ -86,6 +86,33 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
+def docs_quotes(results: dict) -> dict[str, list[str]]:
+    """What README.md and docs/rl.md quote from a text quick-start results file, as they must read
+    (``tests/docs/test_quoted_numbers.py`` checks that each page holds each line; ``--docs`` prints them
+    after a rerun, to paste): docs/rl.md's per-seed table rows and the README's ranges."""
+    runs, summ = results["runs"], results["summary"]
+
+    def pair(group: dict, bold: bool) -> str:
+        after = f"**{group['sft_grpo']:.3f}**" if bold else f"{group['sft_grpo']:.3f}"
+        return f"{group['sft_only']:.3f} -> {after} (+{group['rl_gain']:.3f})"
+
+    rows = [f"| {r['seed']} | {pair(r['greedy'], True)} | {pair(r['sampled_pass1'], True)} | "
+            f"{r['seconds']['total']:.0f} s |" for r in runs]
+    mean = {g: {k: summ[f"{g}_{k}"]["mean"] for k in ("sft_only", "sft_grpo", "rl_gain")}
+            for g in ("greedy", "sampled_pass1")}
+    rows.append(f"| mean | {pair(mean['greedy'], False)} | {pair(mean['sampled_pass1'], False)} | |")
+    g0, g1, gain = summ["greedy_sft_only"], summ["greedy_sft_grpo"], summ["greedy_rl_gain"]
+    seconds = [r["seconds"]["total"] for r in runs]
+    readme = [f"from {g0['min']:.2f}-{g0['max']:.2f} (SFT only) to {g1['min']:.2f}-{g1['max']:.2f}",
+              f"+{gain['min']:.2f} to +{gain['max']:.2f}",
+              f"sampled pass@1 {summ['sampled_pass1_sft_only']['mean']:.2f} -> "
+              f"{summ['sampled_pass1_sft_grpo']['mean']:.2f} on average",
+              f"{min(seconds):.0f}-{max(seconds):.0f} s per seed"]
+    rl = rows + [f"GRPO raises greedy accuracy by +{gain['min']:.2f} to +{gain['max']:.2f} on every seed, to "
+                 f"{g1['min']:.2f}-{g1['max']:.2f}"]
+    return {"README.md": readme, "docs/rl.md": rl}
+
+
 def machine_info(threads: int) -> dict:
     def version(pkg: str) -> str | None:
         try:
@@ -124,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--note", action="append", default=[], help="a note to store with the results (repeatable)")
     p.add_argument("--vlm", action="store_true", help="the VLM quick start (--task shape_colour; results "
                    "benchmarks/results/quickstart_vlm.json unless --results is given)")
+    p.add_argument("--docs", action="store_true", help="run nothing: print what README.md and docs/rl.md must "
+                   "quote from the results file (--results)")
     args, unknown = p.parse_known_args(argv)
     extra = unknown + extra
+    if args.docs:
+        for page, lines in docs_quotes(json.loads(Path(args.results).read_text())).items():
+            print(f"{page}:", *lines, sep="\n  ")
+        return 0
     prefix = "qs"
     if args.vlm:
         extra, prefix = ["--task", "shape_colour", *extra], "qsvlm"
