@@ -1,22 +1,29 @@
-"""OpenRLHF's flag tables (../shared/reference/openrlhf-cli.md) for the compatibility tests."""
+"""OpenRLHF's flag tables for the compatibility tests: tests/reference/openrlhf_0_11_2_flags.json, the
+repository's own copy of OpenRLHF 0.11.2's flags (written by tests/reference/extract.py)."""
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 import pytest
 
 from rlhforge.config.parsing import ConfigError
 
-REFERENCE = Path(__file__).parents[2] / "shared" / "reference" / "openrlhf-cli.md"
+OPENRLHF_FLAGS = Path(__file__).parent / "reference" / "openrlhf_0_11_2_flags.json"
+
+
+@functools.cache
+def _flag_tables() -> dict[str, list[list[str]]]:
+    data = json.loads(OPENRLHF_FLAGS.read_text())
+    assert data["columns"] == ["flag", "type", "default", "choices", "nargs"] and data["openrlhf_version"] == "0.11.2"
+    return data["commands"]
 
 
 def openrlhf_flag_rows(command: str) -> list[list[str]]:
-    """(flag, type/action, default, choices, nargs) rows of one command's table in the 0.11.2 reference."""
-    if not REFERENCE.is_file():
-        pytest.skip("shared/reference is not beside this checkout")
-    text = REFERENCE.read_text().split(f"### {command} (")[1].split("\n### ")[0]
-    return [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| --")]
+    """(flag, type/action, default, choices, nargs) rows of one command's table in OpenRLHF 0.11.2."""
+    return [list(row) for row in _flag_tables()[command]]
 
 
 def openrlhf_flags(command: str) -> list[tuple[str, str, str]]:

@@ -282,7 +282,7 @@ def test_several_reward_models_are_summed_per_reward_rank(tmp_path):
 
 # -------------------------------------------------------------- engines sharing GPUs (gpu-review-2 F1)
 
-# the seed's colocated 8-GPU PPO command (../shared/reference/seeds/001, its first train_ppo_ray block), in
+# the seed's colocated 8-GPU PPO command (tests/reference/seeds/001_train_ppo_ray.txt, its first block), in
 # OpenRLHF's own flags; the hub ids are replaced by a local folder holding Llama-3-8B's config.json
 SEED_PPO_LEGACY = """--ref_num_nodes 1 --ref_num_gpus_per_node 8 --reward_num_nodes 1 --reward_num_gpus_per_node 8
  --critic_num_nodes 1 --critic_num_gpus_per_node 8 --actor_num_nodes 1 --actor_num_gpus_per_node 8

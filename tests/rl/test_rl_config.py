@@ -1,7 +1,6 @@
 """RL configuration: OpenRLHF flag names, 0.9 aliases, the seed command lines, validation, batch plan, examples."""
 
 import dataclasses
-import re
 import typing
 from pathlib import Path
 
@@ -14,7 +13,8 @@ from rlhforge.config.parsing import ConfigError, load_yaml
 from rlhforge.config.rl import RLConfig
 
 ROOT = Path(__file__).parents[2]
-REFERENCE = ROOT.parent / "shared" / "reference"  # ../shared/reference beside the checkout (as tests/flag_tables.py)
+#: the OpenRLHF train_ppo_ray command blocks of the seed texts (tests/reference/extract.py writes them)
+SEED_BLOCKS = ROOT / "tests" / "reference" / "seeds"
 BASE = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "builtin:arithmetic",
         "--reward.remote_url", "builtin:arithmetic", "--rollout.batch_size", "8", "--train.batch_size", "8"]
 
@@ -31,24 +31,17 @@ def _field_exists(dotted: str) -> bool:
     return True
 
 
-def _reference(pattern: str) -> Path:
-    found = sorted(REFERENCE.glob(pattern))
-    if not found:
-        pytest.skip(f"shared/reference/{pattern} is not beside this checkout ({REFERENCE})")
-    return found[0]
-
-
 def test_every_train_ppo_ray_flag_of_openrlhf_exists():
-    text = _reference("openrlhf-cli.md").read_text()
-    table = text.split("### train_ppo_ray")[1].split("### serve_rm")[0]
-    flags = re.findall(r"^\| --([\w.]+) \|", table, flags=re.M)
-    assert len(flags) > 130
+    from tests.flag_tables import openrlhf_flags
+
+    flags = [flag[2:] for flag, _, _ in openrlhf_flags("train_ppo_ray")]
+    assert len(flags) == 139
     missing = [f for f in flags if not _field_exists(f)]
     assert missing == []
 
 
 def _seed_commands() -> list[list[str]]:
-    text = _reference("seeds/001_*.txt").read_text()
+    text = (SEED_BLOCKS / "001_train_ppo_ray.txt").read_text()
     commands = []
     for block in text.split("python3 -m openrlhf.cli.train_ppo_ray")[1:]:
         lines = []
