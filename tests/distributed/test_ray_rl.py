@@ -107,12 +107,17 @@ def test_engine_generates_with_the_synced_weights(ray_cluster, tiny_model_dir, t
 
 def test_cli_starts_its_own_ray_and_names_a_failing_worker(tiny_model_dir, tmp_path):
     """No cluster address: the command starts a local Ray; a critic rank that cannot load its model
-    stops the run with exit code 4 and a message naming the model, the rank and the call."""
+    stops the run with exit code 4 and a message naming the model, the rank and the call. (The folder
+    exists, with a config but no weights: a missing folder is refused at start-up, exit 2, before Ray.)"""
     import os
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
 
+    broken = tmp_path / "no_such_critic"
+    broken.mkdir()
+    shutil.copy(Path(tiny_model_dir) / "config.json", broken / "config.json")  # no weights: the load fails in the rank
     root = Path(__file__).parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
