@@ -406,13 +406,13 @@ def _load_builtin(entry: str, default_split: str) -> tuple[str, Records]:
 
 
 def _load_hub(name: str, split: str) -> tuple[str, Records]:
-    """A hub dataset; when the hub cannot be reached (one short probe, rlhforge.models.hub), only from
+    """A hub dataset; when the hub cannot be reached (one short probe, rlhforge.data.hub), only from
     the local cache, so a missing one fails in seconds instead of after the hub client's retries."""
     import contextlib
 
     import datasets
 
-    from rlhforge.models.hub import hub_endpoint, hub_offline, hub_unreachable, offline_for_datasets
+    from rlhforge.data.hub import hub_endpoint, hub_offline, hub_unreachable, offline_for_datasets
 
     reason = None if hub_offline() else hub_unreachable()
     try:

@@ -119,7 +119,7 @@ def _fake_hub_datasets(monkeypatch, cached: bool):
     import datasets
     from huggingface_hub import constants
 
-    from rlhforge.models import hub
+    from rlhforge.data import hub
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # tests/conftest.py sets HF_HUB_OFFLINE=1: undo it here
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
