@@ -91,3 +91,13 @@ def vllm():
 def ray_module():
     """Ray for the tests that need it (skipped without it locally, failed in CI)."""
     return require_module("ray", "pip install ray; scripts/test.sh installs it")
+
+
+def ray_init_local(ray, **kwargs) -> None:
+    """A new local Ray cluster for tests, listening on 127.0.0.1 only (as rlhforge's own ``init_ray``: Ray
+    would otherwise rewrite the loopback node address into the machine's and listen on every interface)."""
+    from rlhforge.distributed.launch import keep_loopback
+
+    opts = dict(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    with keep_loopback(True):
+        ray.init(**{**opts, **kwargs})

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from rlhforge.config.deadline import COLLECTIVE_TIMEOUT_ENV
 
-__all__ = ["init_ray", "ray_device", "build_ray_groups", "wait_for_resources", "close_groups", "placement_line"]
+__all__ = ["init_ray", "keep_loopback", "ray_device", "build_ray_groups", "wait_for_resources", "close_groups", "placement_line"]
 
 #: Set in every Ray worker (the driver's own value wins when it has one, as in OpenRLHF).
 RAY_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "WARN"}
@@ -36,14 +36,14 @@ def init_ray(num_cpus: int | None = None) -> None:
     if address is None:
         kwargs["num_cpus"] = num_cpus or os.cpu_count()
         kwargs["include_dashboard"] = False
-        kwargs["_node_ip_address"] = "127.0.0.1"  # a local cluster listens on loopback only (_keep_loopback)
+        kwargs["_node_ip_address"] = "127.0.0.1"  # a local cluster listens on loopback only (keep_loopback)
     elif _is_loopback(address):
         # a cluster whose nodes run on 127.0.0.1 (docs/distributed.md, "Several nodes on one machine"): the
         # driver's node is on loopback too, and Ray must not rewrite the loopback address into the
         # machine's own one (which nothing listens on)
         kwargs["_node_ip_address"] = "127.0.0.1"
     try:
-        with _keep_loopback(address is None or _is_loopback(address)):
+        with keep_loopback(address is None or _is_loopback(address)):
             ray.init(address=address or "local", **kwargs)
     except ConnectionError as err:
         from rlhforge.config.parsing import ConfigError
@@ -63,7 +63,7 @@ def _is_loopback(address: str | None) -> bool:
 
 
 @contextmanager
-def _keep_loopback(loopback: bool):
+def keep_loopback(loopback: bool):
     """Ray (2.4x-2.6x) turns a loopback node address (``_node_ip_address``, a loopback ``RAY_ADDRESS``)
     into this machine's own address (``services.resolve_ip_for_localhost``), unless it believes
     multi-node clusters are off: a local cluster would then listen on every interface, and a driver

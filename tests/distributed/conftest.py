@@ -5,20 +5,21 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from tests.conftest import ray_init_local
+
 torch.set_num_threads(1)
 
 
-#: the shared 2-CPU cluster (re-made after a module that declared GPUs, if it was up); address="local":
-#: a new cluster even where a stopped ``ray start --head`` left its address in ``ray_current_cluster``
-SHARED_INIT = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                   _node_ip_address="127.0.0.1")
+#: the shared 2-CPU cluster (re-made after a module that declared GPUs, if it was up); ray_init_local: a new
+#: cluster (even where a stopped ``ray start --head`` left its address behind), on 127.0.0.1 only
+SHARED_INIT = dict(num_cpus=2)
 
 
 @pytest.fixture(scope="session")
 def ray_cluster(ray_module):
     ray = ray_module  # skipped without Ray locally, failed in CI (tests/conftest.py)
     if not ray.is_initialized():
-        ray.init(**SHARED_INIT)
+        ray_init_local(ray, **SHARED_INIT)
     yield ray
     ray.shutdown()
 
@@ -30,11 +31,10 @@ def declared_gpus(ray, num_cpus: int, num_gpus: int):
     was_up = ray.is_initialized()
     if was_up:
         ray.shutdown()
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-             log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray_init_local(ray, num_cpus=num_cpus, num_gpus=num_gpus)
     try:
         yield ray
     finally:
         ray.shutdown()
         if was_up:
-            ray.init(**SHARED_INIT)
+            ray_init_local(ray, **SHARED_INIT)

@@ -65,7 +65,9 @@ class Sender:
 def ray_local(ray_module):
     ray = ray_module
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+        from tests.conftest import ray_init_local
+
+        ray_init_local(ray, num_cpus=2)
     yield ray
     ray.shutdown()
 

@@ -187,7 +187,9 @@ def test_resume_with_images_matches_the_straight_run(vlm_dir, rl_data, tmp_path,
 def test_ray_workers_with_images_match_one_process(ray_module, vlm_dir, rl_data, tmp_path):
     ray = ray_module
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+        from tests.conftest import ray_init_local
+
+        ray_init_local(ray, num_cpus=2)
     single = tmp_path / "single"
     assert main(_rl_args(vlm_dir, rl_data, single, "--ds.strategy", "deepspeed", "--ds.zero_stage", "2",
                          "--train.workers", "local")) == 0
