@@ -8,6 +8,9 @@ import sys
 
 def setup_cli_environment() -> None:
     """Call once at the start of a command. Never overrides a variable the user has set."""
+    from rlhforge.tracking.quiet import install_filters
+
+    install_filters()  # known-harmless messages that repeat every step (rlhforge/tracking/quiet.py)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         import torch

@@ -40,9 +40,13 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
+from rlhforge.tracking.quiet import install_filters
+
 __all__ = ["WeightSyncExtension", "EXTENSION_CLS"]
 
 EXTENSION_CLS = "rlhforge.rollout.vllm_worker.WeightSyncExtension"
+
+install_filters()  # known-harmless vLLM messages of every sync (tracking/quiet.py), in the worker's own process
 
 
 def _repack_cpu_experts(model) -> int:
