@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from rlhforge.distributed.groups import WorkerError
+from rlhforge.distributed.ipc_sync import cause_line, engine_fault
 from rlhforge.distributed.ray_group import bundle_index
 from rlhforge.rollout.engine import GenerationOutput, params_per_prompt
 from rlhforge.rollout.vllm_engine import EngineRouter, vllm_dtype
@@ -152,7 +153,7 @@ class EngineActors:
             try:
                 ray.get(e.handle.pid.remote(), timeout=self.start_timeout_s)
             except Exception as err:  # noqa: BLE001
-                raise WorkerError(f"vLLM engine {e.index} failed to start: {_cause(err)}") from None
+                raise WorkerError(f"vLLM engine {e.index} failed to start: {cause_line(err)}") from None
         nodes = ray.get([e.handle.node_id.remote() for e in self.engines], timeout=self.start_timeout_s)
         print("[rlhforge] engine placement: " + "; ".join(f"engine {e.index} on node {n[:8]}"
                                                          for e, n in zip(self.engines, nodes)))
@@ -183,9 +184,9 @@ class EngineActors:
             pending = []
             for (e, idx, _), res in zip(jobs, results):
                 if isinstance(res, BaseException):
-                    if not _engine_fault(res):
+                    if not engine_fault(res):
                         raise res
-                    await asyncio.to_thread(self._fail, e, _cause(res))
+                    await asyncio.to_thread(self._fail, e, cause_line(res))
                     pending.extend(idx)
                     continue
                 e.requests += len(idx)
@@ -351,8 +352,8 @@ class EngineActors:
             if self.enable_sleep and self.asleep:  # the models train beside it: it must not hold its KV cache
                 ray.get(e.handle.sleep.remote(), timeout=self.sync_timeout_s)
         except Exception as err:  # noqa: BLE001
-            e.alive, e.failure = False, f"{cause}; its restart failed too: {_cause(err)}"
-            print(f"[rlhforge] vLLM engine {e.index}: restart failed: {_cause(err)}", flush=True)
+            e.alive, e.failure = False, f"{cause}; its restart failed too: {cause_line(err)}"
+            print(f"[rlhforge] vLLM engine {e.index}: restart failed: {cause_line(err)}", flush=True)
             return
         print(f"[rlhforge] vLLM engine {e.index} restarted ({e.restarts}/{self.max_restarts}) in "
               f"{time.perf_counter() - t0:.1f} s with the current weights", flush=True)
@@ -395,11 +396,11 @@ class EngineActors:
                         if e is None and actor:
                             actor[0].wait(actor[1], what)  # names the rank
                         raise WorkerError(f"{'actor rank 0' if e is None else f'vLLM engine {e.index}'} failed in "
-                                          f"{what}: {_cause(err)}") from None
-                    if e is not None and _engine_fault(err):
+                                          f"{what}: {cause_line(err)}") from None
+                    if e is not None and engine_fault(err):
                         if not failed or all(c is None for c in failed.values()):  # the first death: from now
                             deadline = max(deadline, time.monotonic() + self.sync_timeout_s + 5)
-                        failed[e] = _cause(err)
+                        failed[e] = cause_line(err)
                     elif e is not None:
                         failed.setdefault(e, None)
                         other.append((f"vLLM engine {e.index}", err))
@@ -419,7 +420,7 @@ class EngineActors:
             owner, err = other[0]
             if owner == "actor rank 0" and actor:
                 actor[0].wait(actor[1], what)  # names the rank
-            raise WorkerError(f"{owner} failed in {what}: {_cause(err)}")
+            raise WorkerError(f"{owner} failed in {what}: {cause_line(err)}")
         return [ray.get(r) for _, r in pairs]
 
 
@@ -430,17 +431,6 @@ class _SyncFault(Exception):
     def __init__(self, failed: dict):
         super().__init__(", ".join(f"engine {e.index}: {c}" for e, c in failed.items()))
         self.failed = failed
-
-
-def _engine_fault(err: BaseException) -> bool:
-    import ray
-
-    return isinstance(err, (ray.exceptions.RayActorError, TimeoutError, ray.exceptions.GetTimeoutError))
-
-
-def _cause(err: BaseException) -> str:
-    cause = getattr(err, "cause", None) or err
-    return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
 
 
 def build_engine_actors(cfg, tokenizer, max_model_len: int, placement, pgs: dict) -> EngineActors:

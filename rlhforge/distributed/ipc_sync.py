@@ -24,7 +24,7 @@ import torch
 
 from rlhforge.rollout.vllm_compat import entries_to_wire, gpu_uuid, handles_by_gpu, ipc_handle_to_wire
 
-__all__ = ["stream_ipc", "engine_fault", "collect_engine_results", "IPCSyncError"]
+__all__ = ["stream_ipc", "engine_fault", "cause_line", "collect_engine_results", "IPCSyncError"]
 
 
 def stream_ipc(named: Iterable, targets: list | None, bucket_bytes: int, *, rank: int, world_size: int,
@@ -79,7 +79,7 @@ def collect_engine_results(refs: dict, timeout_s: float) -> tuple[dict[int, str]
         try:
             ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except Exception as err:  # noqa: BLE001 - sorted here
-            (faults if engine_fault(err) else errors)[index] = _cause(err)
+            (faults if engine_fault(err) else errors)[index] = cause_line(err)
     return faults, errors
 
 
@@ -99,6 +99,7 @@ def engine_fault(err: BaseException) -> bool:
     return isinstance(err, (ray.exceptions.RayActorError, TimeoutError, ray.exceptions.GetTimeoutError))
 
 
-def _cause(err: BaseException) -> str:
+def cause_line(err: BaseException) -> str:
+    """``Type: first line`` of an error, or of the error a Ray task error wraps."""
     cause = getattr(err, "cause", None) or err
     return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from rlhforge.rewards.sources import reward_model_paths
 
 __all__ = ["DTYPE_BYTES", "GIB", "CUDA_CONTEXT_GIB", "MemoryEstimate", "engine_memory_check", "check_engine_memory",
-           "check_colocated_engines", "check_driver_engines", "gpu_memory", "train_memory", "frozen_memory", "engine_weight_bytes",
+           "check_colocated_engines", "check_driver_engines", "gpu_memory", "shared_engine_group", "train_memory", "frozen_memory", "engine_weight_bytes",
            "count_parameters", "effective_zero_stage", "memory_rows", "format_plan", "plan_only"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -262,15 +262,22 @@ class EngineMemory:
                 f"{_gib(self.device)} - {_gib(self.resident)} = {_gib(free)} GiB left for the engine: {verdict}")
 
 
+def shared_engine_group(plan) -> str | None:
+    """The placement group in which GPU engines share their devices with models, or None."""
+    if plan.device != "cuda":
+        return None
+    models = {g.pg for g in plan.groups.values()}
+    return next((e.pg for e in plan.engines if e.pg in models), None)
+
+
 def engine_memory_check(plan, rows: list[Row], *, device_bytes: float, util: float, model_sleep: bool,
                         measured: str = "measured", engines: int = 1) -> EngineMemory | None:
     """The arithmetic for engines that share their GPUs with models (None: no engine shares a GPU, or a
     model's size is unknown). ``rows`` from :func:`memory_rows`; rank ``i`` of every colocated model sits on
     bundle ``i``, so bundle 0 holds one rank of each: the busiest device."""
-    shared = {e.pg for e in plan.engines} & {g.pg for g in plan.groups.values()}
-    if plan.device != "cuda" or not shared:
+    key = shared_engine_group(plan)
+    if key is None:
         return None
-    key = next(iter(shared))
     members = [r for r in rows if r.pg == key and not r.engine_tp]
     if any(r.memory is None for r in members):
         return None
@@ -424,7 +431,7 @@ def report(cfg, plan, *, available=None, strategy: str = "deepspeed", device_mem
                        gpu_util=cfg.vllm.gpu_memory_utilization if plan.engines else None,
                        engine_sleep=cfg.vllm.enable_sleep, available=available)
     check = None
-    if plan.device == "cuda" and any(e.pg in {g.pg for g in plan.groups.values()} for e in plan.engines):
+    if shared_engine_group(plan) is not None:
         size, where = device_memory or gpu_memory(cfg)
         check = engine_memory_check(plan, rows, device_bytes=size, util=cfg.vllm.gpu_memory_utilization,
                                     model_sleep=cfg.ds.enable_sleep, measured=where, engines=engines_per_device)
@@ -435,12 +442,8 @@ def report(cfg, plan, *, available=None, strategy: str = "deepspeed", device_mem
 
 def check_colocated_engines(cfg, plan, strategy: str, log=print) -> None:
     """Start-up (Ray): engines on the models' GPUs must fit beside them, or exit 2 with the arithmetic."""
-    if plan.device != "cuda" or not any(e.pg in {g.pg for g in plan.groups.values()} for e in plan.engines):
-        return
-    text, memory = report(cfg, plan, strategy=strategy, device_memory=gpu_memory(cfg, log))
-    check_engine_memory(memory)
-    if memory is not None:
-        log("[rlhforge] engines sharing GPUs: " + memory.text())
+    if shared_engine_group(plan) is not None:
+        _check_and_say(cfg, plan, strategy, log)
 
 
 def check_driver_engines(cfg, strategy: str, log=print) -> None:
@@ -448,8 +451,12 @@ def check_driver_engines(cfg, strategy: str, log=print) -> None:
     from rlhforge.distributed.placement import plan_placement, plan_sizes
 
     plan = plan_placement({name: 1 for name in plan_sizes(cfg)}, device="cuda", colocate_all=True, num_engines=1)
+    _check_and_say(cfg, plan, strategy, log, engines_per_device=cfg.vllm.num_engines or 1)
+
+
+def _check_and_say(cfg, plan, strategy: str, log, engines_per_device: int = 1) -> None:
     _, memory = report(cfg, plan, strategy=strategy, device_memory=gpu_memory(cfg, log),
-                       engines_per_device=cfg.vllm.num_engines or 1)
+                       engines_per_device=engines_per_device)
     check_engine_memory(memory)
     if memory is not None:
-        log("[rlhforge] engines sharing the GPU: " + memory.text())
+        log("[rlhforge] engines sharing GPUs: " + memory.text())
