@@ -7,6 +7,7 @@ Modules, one family each (formulas and defaults: ``docs/algorithms.md``):
 - ``kl_controller``: fixed and adaptive KL coefficient;
 - ``advantages``: GAE, returns, group baselines (RLOO, GRPO, Dr. GRPO, ...), whitening;
 - ``policy_losses``: PPO (clip-higher, dual clip), GSPO, FlashREINFORCE, entropy bonus;
+- ``policy_losses_2026``: CISPO, SAPO, DPPO, DRO, GMPO, Clip-Cov, KL-Cov;
 - ``value_losses``: clipped / unclipped critic loss;
 - ``preference_losses``: reward-model and DPO/cDPO/IPO losses;
 - ``corrections``: rollout-vs-trainer importance-sampling corrections (TIS, IcePop, ...);
@@ -77,6 +78,18 @@ from .policy_losses import (
     gspo_loss,
     ppo_loss,
 )
+from .policy_losses_2026 import (
+    cispo_loss,
+    clip_cov_loss,
+    clip_cov_selection,
+    covariance_scores,
+    dppo_loss,
+    dro_loss,
+    gmpo_loss,
+    kl_cov_loss,
+    kl_cov_selection,
+    sapo_loss,
+)
 from .preference_losses import (
     DPO_LOSSES,
     PREFERENCE_LOSSES,
@@ -120,6 +133,9 @@ __all__ = [
     "entropy_from_logits", "logprobs_from_logits",
     # policy_losses
     "POLICY_LOSSES", "entropy_bonus", "flash_reinforce_loss", "get_policy_loss", "gspo_loss", "ppo_loss",
+    # policy_losses_2026
+    "cispo_loss", "clip_cov_loss", "clip_cov_selection", "covariance_scores", "dppo_loss", "dro_loss", "gmpo_loss",
+    "kl_cov_loss", "kl_cov_selection", "sapo_loss",
     # preference_losses
     "DPO_LOSSES", "PREFERENCE_LOSSES", "RM_LOSSES", "cdpo_loss", "chosen_nll_loss", "dpo_sigmoid_loss",
     "get_dpo_loss", "get_rm_loss", "implicit_rewards", "ipo_loss", "preference_accuracy",

@@ -186,7 +186,11 @@ def test_entropy_bonus():
 
 
 def test_table_and_unknown_name():
-    assert POLICY_LOSSES == {"ppo": ppo_loss, "gspo": gspo_loss, "flash_reinforce": flash_reinforce_loss}
+    assert {k: POLICY_LOSSES[k] for k in ("ppo", "gspo", "flash_reinforce")} == {
+        "ppo": ppo_loss, "gspo": gspo_loss, "flash_reinforce": flash_reinforce_loss}
+    assert sorted(POLICY_LOSSES) == ["cispo", "clip_cov", "dppo", "dro", "flash_reinforce", "gmpo", "gspo", "kl_cov",
+                                     "ppo", "sapo"]  # the 2026 pack: tests/algorithms/test_policy_losses_2026.py
     assert get_policy_loss("flash-reinforce") is flash_reinforce_loss
-    with pytest.raises(ValueError, match="unknown policy loss 'grpo'; valid names: flash_reinforce, gspo, ppo"):
+    with pytest.raises(ValueError, match="unknown policy loss 'grpo'; valid names: cispo, clip_cov, dppo, dro, "
+                                         "flash_reinforce, gmpo, gspo, kl_cov, ppo, sapo"):
         get_policy_loss("grpo")
