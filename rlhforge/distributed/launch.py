@@ -14,10 +14,12 @@ from contextlib import contextmanager
 
 from rlhforge.config.deadline import COLLECTIVE_TIMEOUT_ENV
 
-__all__ = ["init_ray", "keep_loopback", "ray_device", "build_ray_groups", "wait_for_resources", "close_groups", "placement_line"]
+__all__ = ["init_ray", "keep_loopback", "check_token_auth", "ray_device", "build_ray_groups", "wait_for_resources", "close_groups", "placement_line"]
 
 #: Set in every Ray worker (the driver's own value wins when it has one, as in OpenRLHF).
 RAY_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "WARN"}
+#: Ray's switch for token authentication (``token`` | ``disabled``), read from the environment only.
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def init_ray(num_cpus: int | None = None) -> None:
@@ -36,7 +38,13 @@ def init_ray(num_cpus: int | None = None) -> None:
     if address is None:
         kwargs["num_cpus"] = num_cpus or os.cpu_count()
         kwargs["include_dashboard"] = False
-        kwargs["_node_ip_address"] = "127.0.0.1"  # a local cluster listens on loopback only (keep_loopback)
+        # a local cluster listens on loopback only: with the node address kept at 127.0.0.1 (keep_loopback),
+        # `ss -ltnp` during a run shows the GCS, the raylet, the driver's and every worker's gRPC server on
+        # [::ffff:127.0.0.1], the dashboard agent (gRPC, HTTP, metrics), the runtime-env agent and the two
+        # helper processes on 127.0.0.1, and nothing of the Ray tree on another address
+        # (tests/security/test_ray_listeners.py; docs/distributed.md, "Listeners and token authentication")
+        kwargs["_node_ip_address"] = "127.0.0.1"
+        _ask_token_auth()  # Ray 2.60's default, made explicit and checked after the start (check_token_auth)
     elif _is_loopback(address):
         # a cluster whose nodes run on 127.0.0.1 (docs/distributed.md, "Several nodes on one machine"): the
         # driver's node is on loopback too, and Ray must not rewrite the loopback address into the
@@ -45,6 +53,7 @@ def init_ray(num_cpus: int | None = None) -> None:
     try:
         with keep_loopback(address is None or _is_loopback(address)):
             ray.init(address=address or "local", **kwargs)
+        check_token_auth(local=address is None)
     except ConnectionError as err:
         from rlhforge.config.parsing import ConfigError
 
@@ -53,6 +62,49 @@ def init_ray(num_cpus: int | None = None) -> None:
             raise ConfigError(f"could not start a local Ray cluster (RAY_ADDRESS is not set): {first}") from None
         raise ConfigError(f"could not connect to the Ray cluster at RAY_ADDRESS={address}: {first}; "
                           "start it (ray start --head), or unset RAY_ADDRESS for a local cluster") from None
+
+
+def _ask_token_auth() -> None:
+    """``RAY_AUTH_MODE=token`` for the cluster about to start, unless the user set the mode: in the
+    environment (the cluster's processes inherit it) and in this process's cached Ray config, as Ray
+    itself does when it turns token authentication on by default."""
+    if os.environ.get(AUTH_MODE_ENV):
+        return
+    try:
+        from ray._raylet import Config
+    except ImportError:
+        return
+    os.environ[AUTH_MODE_ENV] = "token"
+    Config.initialize("")
+
+
+def check_token_auth(local: bool) -> str:
+    """Ray's token authentication (``RAY_AUTH_MODE=token``: the GCS, raylet, workers and agents refuse a
+    client without the cluster's token) is on, or the user turned it off on purpose: ``"token"``,
+    ``"disabled"`` (``RAY_AUTH_MODE=disabled`` given: one warning line) or ``"unavailable"`` (a Ray
+    without token authentication). On a local cluster rlhforge asked for it, so its absence is a
+    :class:`~rlhforge.config.parsing.ConfigError` (exit 2)."""
+    import sys
+
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # Ray before token authentication: the listeners are loopback only
+        return "unavailable"
+    if is_token_auth_enabled():
+        return "token"
+    where = "this local Ray cluster" if local else "the Ray cluster in RAY_ADDRESS"
+    if os.environ.get(AUTH_MODE_ENV, "").lower() == "disabled":
+        print(f"warning: {AUTH_MODE_ENV}=disabled: {where} runs without token authentication; any process "
+              "that can reach its ports (on this machine: every local user) can run code in it", file=sys.stderr)
+        return "disabled"
+    if not local:
+        print(f"warning: {where} runs without token authentication (start it with {AUTH_MODE_ENV}=token)",
+              file=sys.stderr)
+        return "disabled"
+    from rlhforge.config.parsing import ConfigError
+
+    raise ConfigError(f"the local Ray cluster started without token authentication although {AUTH_MODE_ENV}="
+                      f"{os.environ.get(AUTH_MODE_ENV)!r} asked for it")
 
 
 def _is_loopback(address: str | None) -> bool:
