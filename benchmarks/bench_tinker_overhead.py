@@ -39,7 +39,7 @@ def main() -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from rlhforge.config.serve_tinker import ServeTinkerConfig
     from rlhforge.models.tiny import build_tiny_model
-    from rlhforge.rewards.http_service import start_server_thread
+    from rlhforge.net.server import start_server_thread
     from rlhforge.tinker_server.app import create_app
     from rlhforge.tinker_server.codec import Datum
     from rlhforge.tinker_server.training import LoraSpec, TrainedModel

@@ -22,11 +22,12 @@ def build_app(cfg: ServeSandboxConfig):
 
     sandbox = Sandbox(SandboxConfig(**cfg.sandbox_kwargs()))
     return create_app(sandbox, api_key=cfg.resolved_api_key, concurrency=cfg.resolved_concurrency,
-                      max_queue=cfg.resolved_max_queue, retry_after_s=cfg.retry_after_s)
+                      max_queue=cfg.resolved_max_queue, retry_after_s=cfg.retry_after_s,
+                      body_timeout_s=cfg.body_timeout_s)
 
 
 def serve(cfg: ServeSandboxConfig) -> None:
-    import uvicorn
+    from rlhforge.net.server import ServerLimits, run_server
 
     app = build_app(cfg)
     print(f"[rlhforge] serve-sandbox: POST http://{cfg.host}:{cfg.port}/run; {cfg.resolved_concurrency} calls at once, "
@@ -35,7 +36,7 @@ def serve(cfg: ServeSandboxConfig) -> None:
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.resolved_api_key:
         print(f"[rlhforge] serve-sandbox: warning: listening on {cfg.host} without an API key; anyone who can reach "
               "this port can run code here", flush=True)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    run_server(app, cfg.host, cfg.port, log_level=cfg.log_level, limits=ServerLimits(header_timeout_s=cfg.header_timeout_s))
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.serve_sandbox") -> int:

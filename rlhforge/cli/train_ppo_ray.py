@@ -61,7 +61,7 @@ def check_environment(cfg: RLConfig) -> None:
                                   "engine in one process here; use 1")
     url = cfg.reward.remote_url or ""
     if url.startswith(("http://", "https://")):
-        from rlhforge.rewards.endpoints import EndpointsFileError, StaticEndpoints
+        from rlhforge.net.endpoints import EndpointsFileError, StaticEndpoints
 
         try:
             StaticEndpoints([u.strip() for u in url.split(",") if u.strip()])
@@ -79,7 +79,7 @@ def check_reward_servers(cfg: RLConfig, log=lambda msg: print(msg, flush=True)) 
     if url.startswith(("http://", "https://")):
         urls, require = [u.strip() for u in url.split(",") if u.strip()], "all"
     elif url.startswith("endpoints:"):
-        from rlhforge.rewards.endpoints import EndpointsFile, EndpointsFileError
+        from rlhforge.net.endpoints import EndpointsFile, EndpointsFileError
 
         try:
             urls, require = EndpointsFile(url.split(":", 1)[1]).current(), "any"

@@ -80,6 +80,12 @@ class ServeRMConfig:
     max_request_bytes: int = 32 * 2**20
     """Largest request body accepted (bytes; default 32 MiB); a longer one gets HTTP 413 without being
     parsed. Queries themselves are cut to ``--data.max_len`` tokens. rlhforge-specific."""
+    header_timeout_s: float = 10.0
+    """Seconds a client has to send a request's headers (a connection that sends nothing, or trickles, gets
+    HTTP 408 and is closed). rlhforge-specific."""
+    body_timeout_s: float = 60.0
+    """Seconds a client has to send a request's body once the server starts reading it; HTTP 408 after.
+    rlhforge-specific."""
     max_queue: int = 256
     """Most requests admitted and not yet answered; one more gets HTTP 503 with a ``Retry-After``
     header (seconds, estimated from the backlog). rlhforge-specific."""
@@ -124,5 +130,8 @@ class ServeRMConfig:
             raise ConfigError(f"--max_request_bytes must be >= 1024 (got {self.max_request_bytes})")
         if self.max_queue < 1:
             raise ConfigError(f"--max_queue must be >= 1 (got {self.max_queue})")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name} must be > 0 (got {getattr(self, name)})")
         if not self.graceful_shutdown_s >= 0:
             raise ConfigError(f"--graceful_shutdown_s must be >= 0 (got {self.graceful_shutdown_s})")

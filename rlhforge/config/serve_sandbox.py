@@ -46,6 +46,11 @@ class ServeSandboxConfig:
     """A call is stopped once its output exceeds this many MiB."""
     max_code_bytes: int = 1 * _MIB
     """Longest code accepted."""
+    header_timeout_s: float = 10.0
+    """Seconds a client has to send a request's headers (a connection that sends nothing, or trickles, gets
+    HTTP 408 and is closed)."""
+    body_timeout_s: float = 60.0
+    """Seconds a client has to send a request's body once the server starts reading it; HTTP 408 after."""
     isolation: Literal["auto", "namespaces", "userns", "basic"] = "auto"
     """Isolation mode (docs/sandbox.md); a named mode that cannot be set up here fails the start-up."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
@@ -89,7 +94,7 @@ class ServeSandboxConfig:
         if self.kill_output_mb * _MIB < self.max_output_bytes:
             raise ConfigError(f"--kill_output_mb {self.kill_output_mb} (= {self.kill_output_mb * _MIB} bytes) must be "
                               f">= --max_output_bytes {self.max_output_bytes}")
-        for name in ("timeout_s", "max_processes", "max_code_bytes"):
+        for name in ("timeout_s", "max_processes", "max_code_bytes", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be > 0 (got {getattr(self, name)})")
         if self.cpu_time_s is not None and self.cpu_time_s <= 0:

@@ -50,6 +50,16 @@ class ServeTinkerConfig:
     """``max_tokens`` of a sample request that gives none."""
     max_request_bytes: int = 256 * 2**20
     """Largest request body (bytes, after zstd decompression); a longer one gets HTTP 413."""
+    max_zstd_ratio: float = 1000.0
+    """A zstd body may decompress to at most this many times its compressed size (and at most
+    ``--max_request_bytes``); more gets HTTP 413 as soon as the output passes the bound, so a small frame that
+    expands to gigabytes costs at most ``ratio x its size`` of memory. The SDK's bodies (token ids and floats)
+    compress far less."""
+    header_timeout_s: float = 10.0
+    """Seconds a client has to send a request's headers (a connection that sends nothing, or trickles, gets
+    HTTP 408 and is closed)."""
+    body_timeout_s: float = 120.0
+    """Seconds a client has to send a request's body once the server starts reading it; HTTP 408 after."""
     retrieve_wait_s: float = 20.0
     """``retrieve_future`` long-polls up to this long before answering ``try_again`` (the SDK polls again at once)."""
     seq_gap_timeout_s: float = 120.0
@@ -91,5 +101,8 @@ class ServeTinkerConfig:
         if not 0 < self.retrieve_wait_s <= 40:
             raise ConfigError(f"--retrieve_wait_s must be in (0, 40] (the SDK times a poll out at 45 s; got "
                               f"{self.retrieve_wait_s})")
+        for name in ("max_zstd_ratio", "header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name} must be > 0 (got {getattr(self, name)})")
         if self.seq_gap_timeout_s <= 0:
             raise ConfigError(f"--seq_gap_timeout_s must be > 0 (got {self.seq_gap_timeout_s})")

@@ -20,17 +20,20 @@ requests batched with it:
 - 401: missing or wrong API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``);
 - 503 with ``Retry-After`` (seconds): ``max_queue`` requests are already admitted and unanswered;
 - 413: the body is longer than ``max_request_bytes`` (checked against ``Content-Length`` before
-  reading, and while reading; the body is never parsed);
-- 400 ``{"error": "<reason>"}``: not JSON (bad syntax or encoding, nesting too deep, an integer
-  with more than 4300 digits), not an object, no ``query`` list of strings, a query that is not
-  valid Unicode (a lone surrogate such as ``"\ud800"``), ``prompts``/``labels`` not lists of the
-  same length, a query the tokenizer refuses;
+  reading, and counted while a chunked body streams; the body is never parsed);
+- 408: the body did not arrive within ``body_timeout_s`` (``--body_timeout_s``);
+- 400 ``{"error": "<reason>"}``: not JSON (bad syntax or encoding, empty, nesting too deep, an integer
+  with more than 4300 digits; :func:`rlhforge.net.payload.parse_json`), not an object, no ``query`` list
+  of strings, a query that is not valid Unicode (a lone surrogate such as ``"\ud800"``),
+  ``prompts``/``labels`` not lists of the same length, a query the tokenizer refuses;
 - 500: the model failed on this request (a failed batch is re-run request by request, so only the
   requests that fail themselves get it), or produced a non-finite reward.
 
 Every answer is a complete HTTP response, so a keep-alive connection stays usable after an error
-(except a 413 for a body that was not read, which closes it when the body is more than 4x the limit
-or of unknown length).
+(except an answer sent before a body of more than 1 MiB, or of unknown length, was read: that one
+closes the connection). A client that disconnects mid-body is one log line, never a 500 (nor counted
+as one in ``/health``); request headers must arrive within ``--header_timeout_s``
+(:mod:`rlhforge.net.server`, :mod:`rlhforge.net.guard`).
 
 Batching: parsing and tokenising run on one worker thread, the model on another; a batcher pools
 the queries of every request that arrives within ``max_wait_ms`` of the first (up to
@@ -47,7 +50,6 @@ request already received (up to ``--graceful_shutdown_s``), then exits with stat
 # route functions, which are defined inside ``create_app`` (fastapi is imported lazily).
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
@@ -56,7 +58,10 @@ from typing import Any
 
 import torch
 
-from rlhforge.rewards.http_service import ServerHandle, key_matches, start_server_thread
+from rlhforge.net.errors import BadRequest, ClientGone, HTTPError
+from rlhforge.net.guard import BodyLimits, RequestGuard
+from rlhforge.net.payload import check_text, parse_json
+from rlhforge.net.server import ServerHandle, ServerLimits, key_matches, run_server, start_server_thread
 
 __all__ = ["RewardScorer", "create_app", "start_server_thread", "ServerHandle", "serve", "DEFAULT_MAX_REQUEST_BYTES",
            "DEFAULT_MAX_QUEUE"]
@@ -170,31 +175,16 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-class _Rejected(Exception):
+class _Rejected(HTTPError):
     """A request answered with ``status`` before it reaches the model."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.headers = status, headers or {}
 
-
-class _BadRequest(_Rejected):
-    def __init__(self, message: str):
-        super().__init__(400, message)
+_BadRequest = BadRequest
 
 
 def _parse_request(body: bytes) -> tuple[list[str], list | None, list | None]:
     """The request's (query, prompts, labels); :class:`_BadRequest` (400) for any malformed body."""
-    try:
-        payload = json.loads(body)
-    except RecursionError:
-        raise _BadRequest("malformed JSON: nested too deeply") from None
-    except json.JSONDecodeError as err:
-        raise _BadRequest(f"malformed JSON: {err}") from None
-    except UnicodeDecodeError as err:
-        raise _BadRequest(f"malformed JSON: the body is not UTF-8/16/32 text ({err.reason} at byte {err.start})") from None
-    except ValueError as err:  # e.g. an integer over Python's 4300-digit conversion limit
-        raise _BadRequest(f"malformed JSON: {err}") from None
+    payload = parse_json(body, allow_nan=True)  # NaN labels (e.g. a missing value in a dataset) pass through
     if not isinstance(payload, dict):
         raise _BadRequest(f"expected a JSON object with a 'query' list, got {type(payload).__name__}")
     if "query" not in payload:
@@ -207,11 +197,7 @@ def _parse_request(body: bytes) -> tuple[list[str], list | None, list | None]:
     for i, q in enumerate(query):
         if not isinstance(q, str):
             raise _BadRequest(f"'query'[{i}] must be a string, got {type(q).__name__}")
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise _BadRequest(f"'query'[{i}] is not valid Unicode: {err.reason} (U+{ord(q[err.start]):04X} at "
-                              f"character {err.start})") from None
+        check_text(q, f"'query'[{i}]")
     extras = []
     for key in ("prompts", "labels"):
         value = payload.get(key)
@@ -290,31 +276,16 @@ class _Batcher:
                 future.set_result(result)
 
 
-async def _read_body(request, limit: int) -> bytes:
-    """The request body, refusing (413) more than ``limit`` bytes without parsing any of it."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise _Rejected(400, f"invalid Content-Length {declared[:40]!r}", {"Connection": "close"}) from None
-        if size > limit:
-            close = {"Connection": "close"} if size > 4 * limit else {}
-            raise _Rejected(413, f"request body of {size} bytes is over this server's limit of {limit} bytes "
-                                 "(--max_request_bytes); send fewer or shorter queries per request", close)
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise _Rejected(413, f"request body is over this server's limit of {limit} bytes (--max_request_bytes); "
-                                 "send fewer or shorter queries per request", {"Connection": "close"})
-        chunks.append(chunk)
+async def _read_body(request) -> bytes:
+    """The request body; its size and read time are bounded by the app's :class:`RequestGuard` (413 / 408
+    raised from the read, before any of it is parsed)."""
+    chunks = [chunk async for chunk in request.stream()]
     return b"".join(chunks)
 
 
 def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: int = 32, max_wait_ms: float = 5.0,
                model_name: str = "", max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               max_queue: int = DEFAULT_MAX_QUEUE):
+               max_queue: int = DEFAULT_MAX_QUEUE, body_timeout_s: float = 60.0):
     """The FastAPI application (routes, checks and batching as in the module docstring)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
@@ -341,6 +312,7 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: i
 
     app = FastAPI(title="rlhforge reward server", lifespan=lifespan)
     app.state.batcher = batcher
+    app.add_middleware(RequestGuard, limits=BodyLimits(max_request_bytes, body_timeout_s, "--max_request_bytes"))
 
     def authorised(request: Request) -> bool:
         return key_matches(request.headers, api_key)
@@ -379,7 +351,7 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: i
         state["in_flight"] += 1
         n_queries = 0
         try:
-            body = await _read_body(request, max_request_bytes)
+            body = await _read_body(request)
             ids = await asyncio.get_running_loop().run_in_executor(prep, prepare, body)
             if not ids:
                 return {"rewards": [], "scores": [], "extra_logs": {"raw_reward": []}}
@@ -393,8 +365,10 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: i
             if bad is not None:
                 return error(500, f"reward model produced a non-finite reward ({raw[bad]}) for 'query'[{bad}]")
             return {"rewards": rewards, "scores": rewards, "extra_logs": {"raw_reward": raw}}
-        except _Rejected as err:
+        except HTTPError as err:
             return error(err.status, str(err), err.headers)
+        except ClientGone:
+            raise  # one log line (RequestGuard); nobody to answer, not a server error
         except Exception as err:  # noqa: BLE001 - never an unanswered request (keeps the connection usable)
             logger.exception("reward server: unexpected failure")
             return error(500, f"internal error: {type(err).__name__}: {err}")
@@ -408,14 +382,11 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None, max_batch: i
 def serve(cfg) -> None:
     """Load the model of ``cfg`` (:class:`ServeRMConfig`) and serve until SIGTERM/SIGINT, which finish the
     requests already received (up to ``cfg.graceful_shutdown_s``) and return normally."""
-    import signal
-
-    import uvicorn
-
     scorer = RewardScorer.from_config(cfg)
     app = create_app(scorer, api_key=cfg.resolved_api_key, max_batch=cfg.resolved_batch_size,
                      max_wait_ms=cfg.max_wait_ms, model_name=cfg.reward.model_name_or_path,
-                     max_request_bytes=cfg.max_request_bytes, max_queue=cfg.max_queue)
+                     max_request_bytes=cfg.max_request_bytes, max_queue=cfg.max_queue,
+                     body_timeout_s=cfg.body_timeout_s)
     norm = f", normalised with mean {scorer.normalize[0]:.4g} std {scorer.normalize[1]:.4g}" if scorer.normalize else ""
     print(f"[rlhforge] serve-rm: {cfg.reward.model_name_or_path} on {scorer.device}{norm}; "
           f"POST http://{cfg.host}:{cfg.port}/get_reward"
@@ -423,17 +394,7 @@ def serve(cfg) -> None:
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.resolved_api_key:
         print(f"[rlhforge] serve-rm: warning: listening on {cfg.host} without an API key; anyone who can reach this "
               "port can query the model", flush=True)
-    # uvicorn handles SIGTERM/SIGINT (graceful shutdown) and afterwards re-raises the signal to the
-    # handler that was installed before it; make that one a no-op so that a requested stop exits 0.
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                    timeout_graceful_shutdown=cfg.graceful_shutdown_s)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if received:
-        print(f"[rlhforge] serve-rm: stopped ({signal.Signals(received[0]).name}) after finishing the requests in "
-              "flight", flush=True)
+    stopped = run_server(app, cfg.host, cfg.port, log_level=cfg.log_level, graceful_shutdown_s=cfg.graceful_shutdown_s,
+                         limits=ServerLimits(header_timeout_s=cfg.header_timeout_s))
+    if stopped:
+        print(f"[rlhforge] serve-rm: stopped ({stopped}) after finishing the requests in flight", flush=True)

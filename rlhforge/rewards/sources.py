@@ -18,7 +18,7 @@ reward model. :func:`build_reward_source` picks one from ``--reward.remote_url``
   (``{"query", "prompts", "labels"}`` -> ``{"rewards", "scores", "extra_logs"}``);
 - ``endpoints:path/to/file``: a live list of such servers (one URL per line), re-read before
   every reward call, so servers can be moved or replaced without stopping training; a bad or
-  empty file keeps the last good list and warns (:mod:`rlhforge.rewards.endpoints`).
+  empty file keeps the last good list and warns (:mod:`rlhforge.net.endpoints`).
 
 ``--reward.model_name_or_path a[,b,...]`` (without ``--reward.remote_url``): one or more reward
 models scoring the token ids, their rewards summed (:class:`RewardModelSource`); in this process,
@@ -135,17 +135,18 @@ class RemoteReward:
     """HTTP reward servers (OpenRLHF's JSON protocol); several URLs share the batch round-robin.
 
     ``endpoints`` is a list of URLs or an endpoint source with ``current()`` (e.g. an
-    :class:`~rlhforge.rewards.endpoints.EndpointsFile`, consulted before every call). Each request
-    follows ``policy`` (:class:`~rlhforge.rewards.client.RetryPolicy`: per-attempt timeout, retries,
+    :class:`~rlhforge.net.endpoints.EndpointsFile`, consulted before every call). Each request
+    follows ``policy`` (:class:`~rlhforge.net.client.RetryPolicy`: per-attempt timeout, retries,
     backoff; one log line per failed attempt). A shard whose server fails moves to the next server
     not yet failed; servers that failed are skipped by later calls while others are live
-    (:class:`~rlhforge.rewards.client.ServerHealth`). When every server fails a
+    (:class:`~rlhforge.net.client.ServerHealth`). When every server fails a
     :class:`~rlhforge.rewards.client.RewardServerError` names each URL and its cause."""
 
     def __init__(self, endpoints, timeout: float = 180.0, name: str | None = None, api_key: str | None = None, *,
                  policy=None, log: Callable[[str], None] | None = None):
-        from rlhforge.rewards.client import RetryPolicy, ServerHealth, auth_headers
-        from rlhforge.rewards.endpoints import StaticEndpoints
+        from rlhforge.net.client import RetryPolicy, ServerHealth
+        from rlhforge.rewards.client import auth_headers
+        from rlhforge.net.endpoints import StaticEndpoints
 
         self.endpoints = endpoints if hasattr(endpoints, "current") else StaticEndpoints(endpoints)
         self.policy = policy or RetryPolicy(timeout=timeout)
@@ -157,7 +158,7 @@ class RemoteReward:
     @classmethod
     def from_config(cls, reward_cfg, endpoints, name: str | None = None) -> "RemoteReward":
         """From ``--reward.*`` (:class:`~rlhforge.config.rl.RewardConfig`): timeout, retries, backoff, key."""
-        from rlhforge.rewards.client import RetryPolicy
+        from rlhforge.net.client import RetryPolicy
 
         policy = RetryPolicy(timeout=reward_cfg.timeout, retries=reward_cfg.retries,
                              backoff_s=reward_cfg.retry_backoff_s)
@@ -170,13 +171,13 @@ class RemoteReward:
     async def __call__(self, batch: RewardBatch) -> dict:
         import httpx
 
-        from rlhforge.rewards.client import FailoverCall, _httpx_timeout
+        from rlhforge.net.client import FailoverCall, httpx_timeout
 
         order = self.health.order(self.endpoints.current())
         live = [u for u in order if not self.health.cooling(u)] or order
         chunks = [list(range(i, len(batch), len(live))) for i in range(len(live))]
         call = FailoverCall()
-        async with httpx.AsyncClient(timeout=_httpx_timeout(self.policy.timeout), headers=self._headers) as http:
+        async with httpx.AsyncClient(timeout=httpx_timeout(self.policy.timeout), headers=self._headers) as http:
             results = await asyncio.gather(*[self._post(http, order, url, batch, idx, call)
                                              for url, idx in zip(live, chunks) if idx])
         rewards = [0.0] * len(batch)
@@ -311,7 +312,7 @@ def build_reward_source(cfg, *, device=None, pad_token_id: int | None = None):
         if url.startswith(("http://", "https://")):
             return RemoteReward.from_config(cfg.reward, [u.strip() for u in url.split(",") if u.strip()])
         if url.startswith("endpoints:"):
-            from rlhforge.rewards.endpoints import EndpointsFile
+            from rlhforge.net.endpoints import EndpointsFile
 
             path = url.split(":", 1)[1]
             return RemoteReward.from_config(cfg.reward, EndpointsFile(path), name=f"reward servers listed in {path}")

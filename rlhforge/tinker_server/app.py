@@ -6,7 +6,6 @@ a wrong or missing key is 401. Long work answers with a future (:mod:`rlhforge.t
 
 from __future__ import annotations
 
-import hmac
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -16,6 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import rlhforge.tinker_server.schemas as S
+from rlhforge.net.guard import BodyLimits, RequestGuard
+from rlhforge.net.payload import decompress_zstd
+from rlhforge.net.server import match_key
 from rlhforge.tinker_server.codec import (PayloadError, decode_forward_backward, encode_forward_backward_output,
                                           encode_sample_response, json_forward_backward_output, json_sample_response)
 from rlhforge.tinker_server.state import (ModelEntry, SamplerEntry, ServerState, base_dir_of, check_ids, check_name,
@@ -44,34 +46,25 @@ def create_app(cfg, api_keys: tuple[str, ...]):
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if request.url.path not in OPEN_PATHS:
-            given = (request.headers.get("x-api-key") or "").encode()
-            if not any(hmac.compare_digest(given, k.encode()) for k in api_keys):
-                return JSONResponse({"detail": "X-API-Key: missing or not an accepted key"}, status_code=401)
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > cfg.max_request_bytes:
-            return JSONResponse({"detail": f"body: {size} bytes is over --max_request_bytes "
-                                           f"{cfg.max_request_bytes}"}, status_code=413)
+        if request.url.path not in OPEN_PATHS and match_key(request.headers, api_keys) is None:
+            return JSONResponse({"detail": "X-API-Key: missing or not an accepted key"}, status_code=401)
         try:
             return await call_next(request)
         except PayloadError as err:
             return JSONResponse({"detail": str(err)}, status_code=err.status)
+
+    # outermost: body size counted while it streams, read deadline, mid-body disconnects (rlhforge.net.guard)
+    app.add_middleware(RequestGuard, limits=BodyLimits(cfg.max_request_bytes, cfg.body_timeout_s), error_key="detail")
 
     @app.exception_handler(PayloadError)
     async def payload_error(_request, err: PayloadError):
         return JSONResponse({"detail": str(err)}, status_code=err.status)
 
     async def body_of(request: Request) -> bytes:
-        body = await request.body()
+        body = await request.body()  # size and read time bounded by RequestGuard
         if request.headers.get("content-encoding", "").lower() == "zstd":
-            import zstandard
-
-            try:
-                body = zstandard.ZstdDecompressor().decompress(body, max_output_size=cfg.max_request_bytes)
-            except zstandard.ZstdError as err:
-                raise PayloadError("body", f"not valid zstd, or over --max_request_bytes once decompressed ({err})")
-        if len(body) > cfg.max_request_bytes:
-            raise PayloadError("body", f"over --max_request_bytes {cfg.max_request_bytes}", status=413)
+            # output bounded while it is produced; the frame's declared size only refuses early
+            body = decompress_zstd(body, cfg.max_request_bytes, max_ratio=cfg.max_zstd_ratio)
         return body
 
     def future(rec, **extra) -> dict:

@@ -4,11 +4,12 @@ newer SDK's additions do not break the server). :func:`parse` turns any problem 
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rlhforge.net.errors import BadRequest
+from rlhforge.net.payload import parse_json
 from rlhforge.tinker_server.codec import PayloadError
 
 T = TypeVar("T", bound=BaseModel)
@@ -141,10 +142,10 @@ class RetrieveFuture(_Req):
 
 
 def parse(cls: type[T], body: bytes) -> T:
-    try:
-        raw = json.loads(body or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PayloadError("body", f"not valid JSON ({err})") from None
+    try:  # every kind of broken JSON (depth, huge integers, NaN, lone surrogates, ...) is a 400 with its reason
+        raw = parse_json(body, empty={})
+    except BadRequest as err:
+        raise PayloadError("body", str(err)) from None
     if not isinstance(raw, dict):
         raise PayloadError("body", "must be a JSON object")
     try:

@@ -28,8 +28,7 @@ def resolve_keys(cfg) -> tuple[tuple[str, ...], bool]:
 
 
 def serve(cfg) -> None:
-    import uvicorn
-
+    from rlhforge.net.server import ServerLimits, run_server
     from rlhforge.tinker_server.app import create_app
 
     check_sdk()
@@ -42,4 +41,4 @@ def serve(cfg) -> None:
               f"TINKER_API_KEY={keys[0]}", flush=True)
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"  listening on {cfg.host}: anyone who can reach it and holds the key can train here", file=sys.stderr)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    run_server(app, cfg.host, cfg.port, log_level=cfg.log_level, limits=ServerLimits(header_timeout_s=cfg.header_timeout_s))

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from rlhforge.rewards.endpoints import (
+from rlhforge.net.endpoints import (
     EndpointSelector,
     EndpointsFile,
     EndpointsFileError,
@@ -80,7 +80,7 @@ def test_bad_or_empty_edits_keep_the_last_good_list_and_warn_once(tmp_path, capl
     path = tmp_path / "services.txt"
     write(path, "http://a:1\n")
     endpoints = EndpointsFile(path)
-    caplog.set_level(logging.WARNING, logger="rlhforge.rewards.endpoints")
+    caplog.set_level(logging.WARNING, logger="rlhforge.net.endpoints")
 
     write(path, "http://a:1\nftp://b:2\n")
     for _ in range(3):

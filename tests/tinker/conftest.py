@@ -30,7 +30,7 @@ def start_server(tiny_model_dir, ckpt_dir, tinker):
     """``start_server()`` -> a running server (``.base_url``, ``.app``, ``.stop()``); stopped at module end.
     Each call is a fresh server instance over the same checkpoint folder (a restart)."""
     from rlhforge.config.serve_tinker import ServeTinkerConfig
-    from rlhforge.rewards.http_service import start_server_thread
+    from rlhforge.net.server import start_server_thread
     from rlhforge.tinker_server.app import create_app
 
     handles = []

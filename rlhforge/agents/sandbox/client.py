@@ -5,7 +5,7 @@
     format_feedback(result)
 
 Servers: a comma-separated list of URLs, or ``endpoints:FILE``, a live endpoints file
-(:class:`rlhforge.rewards.endpoints.EndpointsFile`: one URL a line, ``#`` comments) that is checked on
+(:class:`rlhforge.net.endpoints.EndpointsFile`: one URL a line, ``#`` comments) that is checked on
 every call, so sandbox servers can be added, moved or removed while a run goes on (the fork's
 "nginx file"). A URL is a server's base (``http://10.0.0.5:10003``) or its ``/run`` address.
 
@@ -49,9 +49,9 @@ _FATAL = {400: "the server refused the request", 401: "the API key was refused",
 
 def sandbox_endpoints(spec: str | Sequence[str]):
     """The endpoint source of ``spec``: ``endpoints:FILE`` (re-read when it changes) or URLs (a
-    comma-separated string or a list). Raises :class:`~rlhforge.rewards.endpoints.EndpointsFileError`
+    comma-separated string or a list). Raises :class:`~rlhforge.net.endpoints.EndpointsFileError`
     (a ValueError) for a missing or invalid file or URL."""
-    from rlhforge.rewards.endpoints import EndpointsFile, StaticEndpoints
+    from rlhforge.net.endpoints import EndpointsFile, StaticEndpoints
 
     if isinstance(spec, str):
         spec = spec.strip()
@@ -188,7 +188,7 @@ class SandboxClient:
             except (ValueError, KeyError, TypeError) as err:
                 return None, f"answered with something that is not a sandbox result ({err}): " \
                              f"{response.text[:200]!r}", False, 0.0
-        from rlhforge.rewards.client import response_reason  # lazy: the package also loads standalone
+        from rlhforge.net.client import response_reason
 
         reason = response_reason(response)
         if code in _FATAL:

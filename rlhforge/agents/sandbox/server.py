@@ -19,8 +19,10 @@ Load: at most ``concurrency`` calls run at once; up to ``max_queue`` more wait f
 that the answer is ``503 {"error": "busy ..."}`` with ``Retry-After``. A client that disconnects
 (its timeout expired) has its call stopped, queued or running, and the code's processes killed.
 
-Errors: a body that is not JSON, has no ``code`` string or bad ``limits`` gets 400; a body over the
-size bound 413; a missing or wrong key (``--api_key``: ``Authorization: Bearer KEY`` or
+Errors: a body that is not JSON (any kind of broken: :func:`rlhforge.net.payload.parse_json`), has no
+``code`` string or bad ``limits`` gets 400; a body over the size bound (4 x ``max_code_bytes`` + 64 KiB)
+413, counted while it streams; a body not complete within ``body_timeout_s`` 408; a client that leaves
+mid-body one log line (:mod:`rlhforge.net.guard`); a missing or wrong key (``--api_key``: ``Authorization: Bearer KEY`` or
 ``X-API-Key: KEY``) 401; a sandbox that cannot run here 500 (the client then tries another server).
 What the code itself does (crash, hang, memory hog) is a normal 200 result, as with the local sandbox.
 """
@@ -29,9 +31,13 @@ What the code itself does (crash, hang, memory hog) is a normal 200 result, as w
 # route functions, which are defined inside ``create_app`` (fastapi is imported lazily).
 import asyncio
 import contextlib
-import json
 import logging
 from typing import Any
+
+from rlhforge.net.errors import BadRequest
+from rlhforge.net.guard import BodyLimits, RequestGuard
+from rlhforge.net.payload import parse_json
+from rlhforge.net.server import key_matches, start_server_thread
 
 from .config import PER_CALL_LIMITS, SandboxConfig, SandboxUnavailableError, clamp_limits, result_to_dict
 from .runner import Sandbox
@@ -41,16 +47,12 @@ __all__ = ["create_app", "start_service_thread", "parse_run_request"]
 logger = logging.getLogger("rlhforge.agents.sandbox.server")
 
 
-class _BadRequest(ValueError):
-    pass
+_BadRequest = BadRequest
 
 
 def parse_run_request(body: bytes, ceiling: SandboxConfig) -> tuple[str, dict]:
     """``(code, limits)`` of a ``/run`` body; ``limits`` already lowered to ``ceiling``'s values."""
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise _BadRequest(f"malformed JSON: {err}") from None
+    payload = parse_json(body)  # every kind of broken JSON a 400 with its reason (rlhforge.net.payload)
     if not isinstance(payload, dict):
         raise _BadRequest(f"expected a JSON object with a 'code' string, got {type(payload).__name__}")
     code = payload.get("code")
@@ -112,7 +114,7 @@ async def _disconnected(request) -> None:
 
 
 def create_app(sandbox: Sandbox, *, api_key: str | None = None, concurrency: int = 4, max_queue: int = 16,
-               retry_after_s: int = 1, max_body_bytes: int | None = None):
+               retry_after_s: int = 1, max_body_bytes: int | None = None, body_timeout_s: float = 60.0):
     """The FastAPI application (routes, limits and load shedding as in the module docstring).
     ``sandbox.config`` holds the maxima a call may ask for."""
     from fastapi import FastAPI, Request
@@ -133,8 +135,8 @@ def create_app(sandbox: Sandbox, *, api_key: str | None = None, concurrency: int
 
     app = FastAPI(title="rlhforge sandbox service", lifespan=lifespan)
     app.state.gate, app.state.counters = gate, counters
-
-    from rlhforge.rewards.http_service import key_matches  # serve-rm's check (lazy: the package loads standalone)
+    # body size counted while it streams, read deadline, mid-body disconnects: rlhforge.net.guard
+    app.add_middleware(RequestGuard, limits=BodyLimits(body_cap, body_timeout_s, "--max_code_bytes"))
 
     def authorised(request: Request) -> bool:
         return key_matches(request.headers, api_key)
@@ -152,12 +154,7 @@ def create_app(sandbox: Sandbox, *, api_key: str | None = None, concurrency: int
         if not authorised(request):
             return JSONResponse({"error": "missing or invalid API key (send 'Authorization: Bearer KEY')"},
                                 status_code=401)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > body_cap:
-                return JSONResponse({"error": f"request body over {body_cap} bytes"}, status_code=413)
-            chunks.append(chunk)
+        chunks = [chunk async for chunk in request.stream()]  # bounded by RequestGuard (413 / 408 / ClientGone)
         try:
             code, limits = parse_run_request(b"".join(chunks), ceiling)
         except _BadRequest as err:
@@ -206,8 +203,6 @@ def create_app(sandbox: Sandbox, *, api_key: str | None = None, concurrency: int
 def start_service_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0,
                          log_level: str = "warning"):
     """Run ``app`` with uvicorn in a daemon thread; returns once it accepts connections (``port=0``:
-    a free port); a :class:`~rlhforge.rewards.http_service.ServerHandle` (``base_url``, ``url`` of ``/run``,
+    a free port); a :class:`~rlhforge.net.server.ServerHandle` (``base_url``, ``url`` of ``/run``,
     ``stop()``). Raises RuntimeError if it does not start (e.g. the sandbox cannot run here)."""
-    from rlhforge.rewards.http_service import start_server_thread
-
     return start_server_thread(app, host, port, timeout, log_level, route="/run", name="sandbox service")
