@@ -172,3 +172,22 @@ def test_bench_quickstart_collects_every_seed(tmp_path):
             values = [r[group][name] for r in data["runs"]]
             assert data["summary"][f"{group}_{name}"] == {"mean": round((values[0] + values[1]) / 2, 4),
                                                           "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
+def test_quickstart_script_help_answers_without_installing(tmp_path):
+    """``bash scripts/quickstart.sh --help`` (issue 47, item 9) answers from the installed rlhforge where .venv
+    has one, and without .venv prints its own usage instead of creating and filling one first."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    here = subprocess.run(["bash", "scripts/quickstart.sh", "--help"], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert here.returncode == 0 and "--sft_steps" in here.stdout and "setup_env" not in here.stderr
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(root / "scripts" / "quickstart.sh", tmp_path / "scripts")
+    bare = subprocess.run(["bash", "scripts/quickstart.sh", "-h"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=30)
+    assert bare.returncode == 0 and bare.stdout.startswith("usage: bash scripts/quickstart.sh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scripts"]  # no .venv made, nothing installed
