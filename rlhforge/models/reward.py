@@ -19,6 +19,7 @@ pairs (chosen and rejected) as ``reward_mean``/``reward_std`` in config.json (:f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -26,6 +27,8 @@ from typing import Any, Mapping
 
 import torch
 from torch import Tensor
+
+from rlhforge.tracking.quiet import expected_new_weights
 
 __all__ = [
     "load_reward_model",
@@ -56,8 +59,13 @@ def load_reward_model(path: str, model_cfg, ds_cfg, device: torch.device, *, pad
     kwargs: dict[str, Any] = {"num_labels": 1}
     if getattr(config, "pad_token_id", None) is None and pad_token_id is not None:
         kwargs["pad_token_id"] = pad_token_id
+    new_head = not _checkpoint_has_head(path, value_head_prefix)
+    quiet = expected_new_weights({f"{value_head_prefix}.weight", f"{value_head_prefix}.bias"}) if new_head \
+        else contextlib.nullcontext()
     try:
-        model = load_causal_lm(path, model_cfg, ds_cfg, device, auto_class=AutoModelForSequenceClassification, **kwargs)
+        with quiet:
+            model = load_causal_lm(path, model_cfg, ds_cfg, device, auto_class=AutoModelForSequenceClassification,
+                                   **kwargs)
     except ValueError as err:
         if "Unrecognized configuration class" in str(err):
             raise ValueError(
@@ -66,8 +74,11 @@ def load_reward_model(path: str, model_cfg, ds_cfg, device: torch.device, *, pad
             ) from err
         raise
     head = value_head(model, value_head_prefix)  # fail early with the available names
-    if not _checkpoint_has_head(path, value_head_prefix):
+    if new_head:
         init_value_head(head, getattr(config, "hidden_size", None))
+        if _is_first_rank():
+            print(f"{path}: no '{value_head_prefix}' value head in the checkpoint (a causal LM): a new one is "
+                  f"initialised, N(0, 1/(hidden_size+1)) as OpenRLHF does")
     return model
 
 
@@ -123,6 +134,11 @@ def _checkpoint_tensor_names(path: str) -> set[str] | None:
         except Exception:  # noqa: BLE001 - an old or unreadable format: cannot tell
             return None
     return None
+
+
+def _is_first_rank() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
 
 
 def _checkpoint_has_head(path: str, prefix: str) -> bool:

@@ -8,11 +8,13 @@ worker runs (its own process in multiprocess mode). Everything not listed is sho
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 
-__all__ = ["KnownMessage", "KNOWN_MESSAGES", "install_filters"]
+__all__ = ["KnownMessage", "KNOWN_MESSAGES", "install_filters", "expected_new_weights"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +70,36 @@ def install_filters() -> None:
             logs.setdefault(e.source, []).append(e)
     for name, entries in logs.items():
         logging.getLogger(name).addFilter(_DropKnown(entries))
+
+
+#: transformers' logger of ``from_pretrained``'s "LOAD REPORT" table (transformers 5)
+LOAD_REPORT_LOGGER = "transformers.modeling_utils"
+_REPORT_ROW = re.compile(r"^(\S+)\s*\|\s*([A-Z]+)\s*\|", re.M)
+
+
+class _DropExpectedReport(logging.Filter):
+    def __init__(self, keys: set[str]):
+        super().__init__()
+        self.keys = keys
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "LOAD REPORT" not in text:
+            return True
+        rows = [(key, status) for key, status in _REPORT_ROW.findall(text) if key != "Key"]
+        return not rows or any(status != "MISSING" or key not in self.keys for key, status in rows)
+
+
+@contextlib.contextmanager
+def expected_new_weights(keys: set[str]):
+    """Within the block, transformers' "LOAD REPORT" of a ``from_pretrained`` whose only finding is that exactly
+    ``keys`` were MISSING is dropped: rlhforge initialises those weights itself (a new reward/critic value head,
+    issue 47 item 9) and says so in one line of its own. A report naming any other key, or any other status
+    (unexpected, mismatched), is shown as before."""
+    flt = _DropExpectedReport(set(keys))
+    log = logging.getLogger(LOAD_REPORT_LOGGER)
+    log.addFilter(flt)
+    try:
+        yield
+    finally:
+        log.removeFilter(flt)

@@ -2,6 +2,7 @@
 loaded from a checkpoint is left alone."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -49,3 +50,25 @@ def test_lora_head_copies_get_the_same_init(tiny_model_dir):
     assert len(weights) >= 2  # peft keeps the original and the trained copy
     assert all(torch.equal(x, weights[0]) for x in weights)
     assert weights[0].std().item() == pytest.approx(1.0 / 129, rel=0.25)
+
+
+def test_a_new_head_says_one_line_instead_of_the_load_report(tiny_model_dir, tmp_path, capfd, caplog):
+    """Issue 47, item 9: loading a causal LM as a reward model/critic printed transformers' "LOAD REPORT" table
+    (``score.weight | MISSING``) on every load; the missing head is expected (rlhforge initialises it), so one
+    line of rlhforge's says so instead. A checkpoint missing anything else still gets the report."""
+    from safetensors.torch import load_file, save_file
+
+    capfd.readouterr()
+    _load(tiny_model_dir)
+    out, err = capfd.readouterr()
+    assert "LOAD REPORT" not in out + err + caplog.text
+    assert out.count("no 'score' value head in the checkpoint") == 1
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = load_file(broken / "model.safetensors")
+    dropped = next(k for k in weights if k.endswith("layers.0.mlp.up_proj.weight"))
+    save_file({k: v for k, v in weights.items() if k != dropped}, broken / "model.safetensors",
+              metadata={"format": "pt"})
+    _load(broken)
+    assert "LOAD REPORT" in caplog.text and "up_proj" in caplog.text
