@@ -30,6 +30,7 @@ from rlhforge.config.components import (
 )
 from rlhforge.config.parsing import secret
 from rlhforge.config.rl_algo import AdvantageConfig, AlgoConfig, KLConfig  # noqa: F401  (re-exported)
+from rlhforge.config.rl_losses import PolicyLossParams, PolicyLossType
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -84,8 +85,10 @@ class ActorConfig(_ModelOptim):
     """Asymmetric clip ``(low, high)``, e.g. DAPO's clip-higher ``0.2 0.28``."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1 for negative advantages (None disables)."""
-    policy_loss_type: Literal["ppo", "gspo"] = "ppo"
-    """Policy loss: token-level PPO clip, or GSPO's sequence-level ratio (uses ``seq-mean-token-mean``)."""
+    policy_loss_type: PolicyLossType = "ppo"
+    """Policy loss: PPO clip, GSPO / GMPO (sequence-level, seq-mean-token-mean), CISPO, SAPO, DPPO, DRO, Clip-Cov,
+    KL-Cov (docs/algorithms.md; veRL's vanilla, geo_mean, dppo_tv are aliases)."""
+    policy_loss: PolicyLossParams = field(default_factory=PolicyLossParams)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses become one number: global token mean, or mean over sequences of the
     per-sequence token mean (OpenRLHF's two), or (rlhforge-only, the Dr. GRPO paper's normaliser) the
@@ -343,6 +346,16 @@ class RLTrainConfig:
     """OpenAI-client agents: a request whose prompt does not extend the recorded conversation fails
     the sample (``error``) or restarts the trajectory from it (``new_segment``: only the last
     segment is trained on). rlhforge-specific."""
+    agent_server_max_body_mb: float = 8.0
+    """Agent servers (OpenAI-compatible and token routes): largest request body in MiB; a larger one is
+    refused (413) before it is read (docs/security.md). rlhforge-specific."""
+    agent_server_max_message_chars: int = 262_144
+    """Agent servers: longest text of one chat message, and longest new text one request adds to its
+    session (what the shared tokenizer works on for it); more is a 413 before tokenising. rlhforge-specific."""
+    agent_server_api_key: str | None = secret()
+    """Agent servers: require ``Authorization: Bearer KEY`` (or ``X-API-Key``) on every route but ``/health``
+    (the trainer's own clients send it). Default: ``$RLHFORGE_AGENT_API_KEY`` if set, else no key (the
+    servers bind 127.0.0.1). rlhforge-specific."""
     dynamic_batch_enable: bool = False
     """Token-budget micro-batches instead of ``micro_batch_size`` samples (needs ``--ds.packing_samples``):
     each rank's share of a step is split into the max over the DP ranks of its first-fit count under

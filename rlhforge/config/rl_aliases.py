@@ -8,6 +8,7 @@ import sys
 
 from rlhforge.config.deadline import DEADLINE_ALIASES
 from rlhforge.config.parsing import LEGACY_ALIASES, ConfigError, rewrite_aliases
+from rlhforge.config.rl_losses import POLICY_LOSS_FLAG_ALIASES
 
 __all__ = ["RL_LEGACY_ALIASES", "RL_LEGACY_SWITCHES", "IS_CORRECTION_TYPES", "rewrite_rl_argv"]
 
@@ -154,4 +155,5 @@ def rewrite_rl_argv(argv: list[str], warn=lambda msg: print(msg, file=sys.stderr
             out.extend(RL_LEGACY_SWITCHES[token])
         else:
             out.append(token)
-    return rewrite_aliases(out, current=DEADLINE_ALIASES, legacy=RL_LEGACY_ALIASES, warn=warn)
+    return rewrite_aliases(out, current={**DEADLINE_ALIASES, **POLICY_LOSS_FLAG_ALIASES}, legacy=RL_LEGACY_ALIASES,
+                           warn=warn)

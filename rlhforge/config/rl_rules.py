@@ -25,6 +25,7 @@ from rlhforge.config.validation import (
     validate_fault_limits,
     validate_logging_steps,
 )
+from rlhforge.config.rl_losses import policy_loss_notices, validate_policy_loss
 from rlhforge.config.rl_workers import rl_strategy, uses_ray, uses_reward_model, validate_workers
 
 __all__ = ["validate_rl", "no_effect_notices", "uses_ray", "uses_reward_model", "rl_strategy", "is_correction_band",
@@ -104,6 +105,9 @@ def validate_rl(cfg) -> None:
                           f"(got {t.agent_step_timeout} and {t.agent_episode_timeout})")
     if t.agent_env_concurrency < 1:
         raise ConfigError(f"--train.agent_env_concurrency must be >= 1 (got {t.agent_env_concurrency})")
+    if not t.agent_server_max_body_mb > 0 or t.agent_server_max_message_chars < 1:
+        raise ConfigError(f"--train.agent_server_max_body_mb must be > 0 and --train.agent_server_max_message_chars "
+                          f">= 1 (got {t.agent_server_max_body_mb} and {t.agent_server_max_message_chars})")
     _validate_env_adapter(cfg)
     if cfg.reward.model_name_or_path is None and cfg.reward.remote_url is None and not t.agent_func_path \
             and cfg.env.kind == "none":
@@ -129,6 +133,7 @@ def validate_rl(cfg) -> None:
         raise ConfigError(f"--rollout.vllm_generate_batch_size must be >= 1 prompts per generation call (got {gen_bs})")
     if cfg.actor.dual_clip is not None and cfg.actor.dual_clip <= 1:
         raise ConfigError(f"--actor.dual_clip must be > 1 (got {cfg.actor.dual_clip})")
+    validate_policy_loss(cfg)  # --actor.policy_loss_type and --actor.policy_loss.* (config/rl_losses.py)
     if cfg.train.enable_ema and not 0.0 <= cfg.train.ema_beta < 1.0:
         raise ConfigError(f"--train.ema_beta must be in [0, 1) (got {cfg.train.ema_beta}): ema = beta * ema + "
                           "(1 - beta) * weights after each optimizer step")
@@ -206,6 +211,7 @@ def no_effect_notices(cfg) -> list[str]:
     if cfg.algo.kl.unbiased_gradient and not (cfg.algo.kl.use_loss and cfg.algo.kl.init_coef > 0):
         out.append("--algo.kl.unbiased_gradient has no effect without --algo.kl.use_loss and --algo.kl.init_coef > 0 "
                    "(the KL is then a reward penalty, which is not differentiated)")
+    out += policy_loss_notices(cfg)
     out += _frozen_model_notices(cfg)
     out += _dynamic_batch_notices(cfg)
     v = cfg.vllm

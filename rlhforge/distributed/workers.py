@@ -67,7 +67,7 @@ class PolicyLossSpec:
     """Everything the actor update needs besides the data."""
 
     loss_type: str = "ppo"
-    """``ppo``, ``gspo`` or ``flash_reinforce``."""
+    """A key of ``rlhforge.algorithms.POLICY_LOSSES`` (``ppo``, ``gspo``, ``cispo`` ... ``flash_reinforce``)."""
     loss_kwargs: dict = dataclasses.field(default_factory=dict)
     agg_mode: str = "token_mean"
     norm_constant: float | None = None

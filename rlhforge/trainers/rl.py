@@ -5,7 +5,7 @@
 
 The algorithm is a choice, not a separate trainer: ``--algo.advantage.estimator`` (gae with a
 critic; reinforce, reinforce_baseline, rloo, group_norm = GRPO, dr_grpo, flash_reinforce without
-one) and ``--actor.policy_loss_type`` (ppo, gspo). Per-model work lives in worker groups
+one) and ``--actor.policy_loss_type`` (ppo, gspo, cispo, sapo, dppo, dro, gmpo, clip_cov, kl_cov). Per-model work lives in worker groups
 (:mod:`rlhforge.distributed`: in this process, or Ray actor groups of data-parallel ranks; workers in
 :mod:`rlhforge.distributed.workers`); generation behind a ``GenerationEngine``; rollouts come from
 an agent executor as token-level :class:`~rlhforge.agents.types.Trajectory` objects, generated when
@@ -38,6 +38,7 @@ from rlhforge.algorithms import dynamic_filter, make_kl_controller
 from rlhforge.backend.fingerprint import check_engine_sync
 from rlhforge.backend.sync_probe import (PROBE_FALLBACK_TEXT, check_probe, compare_probe, default_probe_bound,
                                          probe_prompts)
+from rlhforge.config.rl_losses import policy_loss_setup
 from rlhforge.config.rl_workers import uses_ray
 from rlhforge.config.batching import RLBatchPlan
 from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
@@ -110,15 +111,12 @@ class RLTrainer(RLCheckpointing, RLExperience):  # rl_ckpt.py: checkpoints, resu
         cfg = self.cfg
         a = cfg.actor
         est = cfg.algo.advantage.record
-        low, high = a.eps_clip_low_high if a.eps_clip_low_high is not None else (a.eps_clip, a.eps_clip)
         agg = a.loss_agg_mode.replace("-", "_")  # every estimator, dr_grpo included (as OpenRLHF)
         if est.policy_loss is not None:  # the estimator comes with its loss (flash_reinforce)
             loss_type, kwargs, agg = est.policy_loss, {}, est.loss_agg_mode or agg
-        else:
-            loss_type = a.policy_loss_type
-            kwargs = {"eps_low": low, "eps_high": high, "dual_clip": a.dual_clip}
-            if loss_type == "gspo":
-                agg = "seq_mean_token_mean"
+        else:  # aliases resolved, the loss's own flags read; GSPO / GMPO are sequence-level (config/rl_losses.py)
+            loss_type, kwargs, forced_agg = policy_loss_setup(a)
+            agg = forced_agg or agg
         # the Dr. GRPO paper's normaliser, on request: per-sequence token sum / max response length
         norm = float(self.max_new_tokens) if agg == "seq_mean_token_sum_norm" else None
         return PolicyLossSpec(

@@ -68,6 +68,11 @@ RL_NOTICE = [
     "--reward.api_key", "--reward.wait_for_server_s",
     # without --ds.ring_attn_size > 1
     "--ds.ring_attn_head_stride",
+    # without the --actor.policy_loss_type that reads it (the base run is ppo; config/rl_losses.py)
+    *[f"--actor.policy_loss.{name}" for name in (
+        "cispo_eps_low", "cispo_eps_high", "sapo_tau_pos", "sapo_tau_neg", "dppo_delta_low", "dppo_delta_high",
+        "dppo_ratio_cap", "dro_beta", "gmpo_eps_low", "gmpo_eps_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
+        "kl_cov_ratio", "ppo_kl_coef")],
 ]
 #: values for flags whose automatic non-default value would not show the point
 RL_VALUES = {"--ds.experts_implementation": ["eager"], "--ds.grad_accum_dtype": ["fp32"], "--vllm.sync_backend": ["gloo"],
@@ -111,6 +116,7 @@ PROOFS = {
     "--reward.offload": "tests/distributed/test_reward_group.py",
     "--reward.num_gpus_per_node": "tests/distributed/test_reward_group.py",  # a 2-rank Ray reward group
     "--train.colocate_critic_reward": "tests/distributed/test_reward_group.py",
+    "--actor.policy_loss_type": "tests/rl/test_rl_losses.py",  # each loss trains 2 steps, its metric logged
 }
 
 
