@@ -17,6 +17,41 @@ from rlhforge.config.parsing import ConfigError
 KEY_ENV = "RLHFORGE_TINKER_API_KEY"
 SDK_KEY_ENV = "TINKER_API_KEY"
 _NAME = re.compile(r"^[^=\s]+$")
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def read_keys_file(path: str) -> dict[str, str]:
+    """``--api_keys_file``: key -> tenant name. One key a line, ``KEY`` or ``NAME KEY`` (``NAME``: letters, digits,
+    ``_.-``; default: ``key-`` + the first 12 hex digits of the key's SHA-256); blank lines and ``#`` comments
+    are skipped. ConfigError naming the file and line for anything else."""
+    import hashlib
+
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as err:
+        raise ConfigError(f"--api_keys_file {path}: cannot read it ({err.strerror or err})") from None
+    keys: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        where = f"--api_keys_file {path}, line {number}"
+        if len(words) > 2:
+            raise ConfigError(f"{where}: expected 'KEY' or 'NAME KEY' (got {len(words)} words)")
+        key = words[-1]
+        name = words[0] if len(words) == 2 else "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+        if not key.startswith("tml-") or len(key) < 8:
+            raise ConfigError(f"{where}: keys must have the SDK's form 'tml-' + at least 4 characters")
+        if not _TENANT.match(name):
+            raise ConfigError(f"{where}: tenant name {name[:70]!r} must be letters, digits and _.- (at most 64)")
+        if key in keys:
+            raise ConfigError(f"{where}: this key is already listed (tenant {keys[key]!r})")
+        if name in keys.values():
+            raise ConfigError(f"{where}: tenant name {name!r} is used twice")
+        keys[key] = name
+    if not keys:
+        raise ConfigError(f"--api_keys_file {path}: no keys in it")
+    return keys
 
 
 @dataclass(frozen=True)
@@ -34,6 +69,10 @@ class ServeTinkerConfig:
     ``RLHFORGE_TINKER_API_KEY`` environment variable (comma-separated), else ``TINKER_API_KEY`` (the SDK's own
     variable, so one export serves both), else a random key printed at start-up. Requests without an accepted
     ``X-API-Key`` get HTTP 401 (``/api/v1/healthz`` excepted)."""
+    api_keys_file: str | None = None
+    """A file of further keys, one a line (``KEY`` or ``NAME KEY``), each a tenant of its own: its sessions,
+    models, checkpoints (in ``CHECKPOINT_DIR/tenant-NAME``), samplers and futures are invisible to every other
+    key (404). The ``--api_key`` keys share the default tenant. docs/security.md."""
     model_map: tuple[str, ...] = ()
     """``NAME=FOLDER`` entries: a ``base_model`` name the client sends (``Qwen/Qwen3-8B``) -> a local HF folder.
     A ``base_model`` that is an existing folder needs no entry."""
@@ -62,6 +101,14 @@ class ServeTinkerConfig:
     """Seconds a client has to send a request's body once the server starts reading it; HTTP 408 after."""
     retrieve_wait_s: float = 20.0
     """``retrieve_future`` long-polls up to this long before answering ``try_again`` (the SDK polls again at once)."""
+    seq_window: int = 256
+    """A request's ``seq_id`` must be below the model's next expected one + this (else HTTP 400 at once)."""
+    expose_base_folders: Literal["auto", "on", "off"] = "auto"
+    """Whether ``get_info``'s ``tokenizer_id`` is a base model's folder on this machine (the SDK's
+    ``get_tokenizer()`` then loads it from disk, offline) or the ``base_model`` name the client sent (a hub id,
+    a ``--model_map`` name, or a folder the client named itself). ``auto``: the folder only when bound to
+    loopback (the client is on this machine, the one place a folder path is of use); from another machine a
+    server folder is of no use and is not shown."""
     seq_gap_timeout_s: float = 120.0
     """A model's requests run in ``seq_id`` order; a request waiting this long for a missing earlier ``seq_id``
     runs anyway (logged), so a lost request never blocks a model forever."""
@@ -74,6 +121,12 @@ class ServeTinkerConfig:
             return tuple(self.api_key)
         env = os.environ.get(KEY_ENV) or os.environ.get(SDK_KEY_ENV) or ""
         return tuple(k.strip() for k in env.split(",") if k.strip())
+
+    @property
+    def shows_base_folders(self) -> bool:
+        if self.expose_base_folders == "auto":
+            return self.host in ("127.0.0.1", "localhost", "::1")
+        return self.expose_base_folders == "on"
 
     @property
     def model_table(self) -> dict[str, str]:
@@ -101,6 +154,14 @@ class ServeTinkerConfig:
         if not 0 < self.retrieve_wait_s <= 40:
             raise ConfigError(f"--retrieve_wait_s must be in (0, 40] (the SDK times a poll out at 45 s; got "
                               f"{self.retrieve_wait_s})")
+        if self.seq_window < 1:
+            raise ConfigError(f"--seq_window must be >= 1 (got {self.seq_window})")
+        if self.api_keys_file is not None:
+            tenants = read_keys_file(self.api_keys_file)
+            shared = set(tenants) & set(self.resolved_api_keys)
+            if shared:
+                raise ConfigError(f"--api_keys_file {self.api_keys_file}: a key is also given by --api_key (or the "
+                                  "environment); each key belongs to one tenant")
         for name in ("max_zstd_ratio", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be > 0 (got {getattr(self, name)})")

@@ -54,7 +54,6 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 

@@ -65,28 +65,29 @@ class AdamIn(_Req):
 
 class OptimStep(_Req):
     model_id: str
-    seq_id: int = Field(ge=1)
-    adam_params: Optional[AdamIn] = None
-    optimizer_params: Optional[dict[str, Any]] = None
-    optim_params: Optional[AdamIn] = None
+    seq_id: int
+    adam_params: Optional[Any] = None
+    """Checked against :class:`AdamIn` once the seq_id is known (a refused step still takes its seq_id)."""
+    optimizer_params: Optional[Any] = None
+    optim_params: Optional[Any] = None
 
 
 class SaveWeights(_Req):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: int
     path: Optional[str] = None
 
 
 class SaveForSampler(_Req):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: int
     path: Optional[str] = None
     sampling_session_seq_id: Optional[int] = Field(default=None, ge=0)
 
 
 class LoadWeights(_Req):
     model_id: Optional[str] = None
-    seq_id: Optional[int] = Field(default=None, ge=1)
+    seq_id: Optional[int] = None
     session_id: Optional[str] = None
     model_seq_id: Optional[int] = Field(default=None, ge=0)
     base_model: Optional[str] = None
@@ -141,6 +142,19 @@ class RetrieveFuture(_Req):
     allow_metadata_only: bool = False
 
 
+def validate(cls: type[T], raw: Any, prefix: str = "") -> T:
+    """``raw`` (a decoded JSON value) as ``cls``; PayloadError naming the first bad field under ``prefix``."""
+    if not isinstance(raw, dict):
+        raise PayloadError(prefix or "body", f"must be a JSON object (got {type(raw).__name__})")
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join([prefix] * bool(prefix) + [str(p) for p in first["loc"]]) or "body"
+        more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise PayloadError(where, f"{first['msg']}{more}") from None
+
+
 def parse(cls: type[T], body: bytes) -> T:
     try:  # every kind of broken JSON (depth, huge integers, NaN, lone surrogates, ...) is a 400 with its reason
         raw = parse_json(body, empty={})
@@ -148,10 +162,4 @@ def parse(cls: type[T], body: bytes) -> T:
         raise PayloadError("body", str(err)) from None
     if not isinstance(raw, dict):
         raise PayloadError("body", "must be a JSON object")
-    try:
-        return cls.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
-        raise PayloadError(where, f"{first['msg']}{more}") from None
+    return validate(cls, raw)

@@ -20,9 +20,10 @@ def check_sdk() -> None:
 
 
 def resolve_keys(cfg) -> tuple[tuple[str, ...], bool]:
-    """The accepted keys, and whether one was generated (no --api_key / environment key)."""
+    """The keys of the default tenant, and whether one was generated (no --api_key / environment key / keys
+    file)."""
     keys = cfg.resolved_api_keys
-    if keys:
+    if keys or cfg.api_keys_file:
         return keys, False
     return (f"tml-{secrets.token_urlsafe(24)}",), True
 
@@ -31,11 +32,15 @@ def serve(cfg) -> None:
     from rlhforge.net.server import ServerLimits, run_server
     from rlhforge.tinker_server.app import create_app
 
+    from rlhforge.config.serve_tinker import read_keys_file
+
     check_sdk()
     keys, generated = resolve_keys(cfg)
-    app = create_app(cfg, keys)
+    tenants = read_keys_file(cfg.api_keys_file) if cfg.api_keys_file else {}
+    app = create_app(cfg, keys, tenants)
     base = f"http://{cfg.host}:{cfg.port}"
-    print(f"rlhforge serve-tinker on {base} (checkpoints in {cfg.checkpoint_dir})", flush=True)
+    print(f"rlhforge serve-tinker on {base} (checkpoints in {cfg.checkpoint_dir})"
+          + (f"; {len(tenants)} tenant keys from {cfg.api_keys_file}" if tenants else ""), flush=True)
     if generated:
         print(f"  no --api_key given: generated one for this run\n  export TINKER_BASE_URL={base} "
               f"TINKER_API_KEY={keys[0]}", flush=True)

@@ -7,8 +7,20 @@ category ``user`` (the request was wrong) or ``server``.
 
 **Order.** The requests of one training model carry ``seq_id`` 1, 2, 3, ... (the SDK reserves them in call
 order, but sends chunks of one ``forward_backward`` concurrently and the first chunk last). A request is only
-handed to the worker once every lower ``seq_id`` of its model has been; a ``seq_id`` seen twice (an SDK retry)
-gets the first request's future back. A gap that outlasts ``--seq_gap_timeout_s`` is skipped (logged).
+handed to the worker once every lower ``seq_id`` of its model has been. A ``seq_id`` seen twice gets the first
+request's future back only when the two requests are the same (an SDK retry: same route, same body); another
+request with a used ``seq_id`` is a 409. A ``seq_id`` more than ``--seq_window`` - 1 ahead of the next expected
+one is refused at once (400), so one wild ``seq_id`` cannot push a model's counter out of reach. A request
+refused at submit time (a bad loss, token ids, optimizer parameters) still takes its ``seq_id`` (the next
+request runs at once), and sending it again gets the same 400. A gap that outlasts ``--seq_gap_timeout_s`` is
+skipped (logged).
+
+**Owners.** Every session, model, sampler and future belongs to one tenant (an API key of ``--api_keys_file``,
+or the default tenant of ``--api_key``); another tenant's lookups get the same 404 as an id that does not
+exist. A tenant's checkpoints live in its own folder. Within a tenant, a live model is addressed by its model
+id, ``SESSION_ID:train:N``, which only the session that created it knows (session ids are random); its
+checkpoints are named ``tinker://RUN/...`` with a RUN name of their own, so a checkpoint path says nothing that
+drives the live model.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ class FutureRecord:
     result: Any = None
     error: tuple[str, str] | None = None
     finished_at: float | None = None
+    tenant: str = ""
 
 
 @dataclass
@@ -56,10 +69,14 @@ class ModelEntry:
     lora: Any
     trained: Any = None
     next_seq: int = 1
-    waiting: dict[int, tuple[FutureRecord, Callable[[], Any]]] = field(default_factory=dict)
-    seen: dict[int, str] = field(default_factory=dict)
+    waiting: dict[int, tuple[FutureRecord | None, Callable[[], Any] | None]] = field(default_factory=dict)
+    seen: dict[int, tuple[str, str | None, PayloadError | None]] = field(default_factory=dict)
+    """seq_id -> (digest of the request, its future's id, or the refusal it got)."""
     creation: str | None = None
     blocked_since: float | None = None
+    tenant: str = ""
+    run: str = ""
+    """The RUN of this model's ``tinker://RUN/...`` checkpoint names (random; not the model id)."""
 
 
 @dataclass
@@ -70,9 +87,11 @@ class SamplerEntry:
     model_path: str | None = None
     adapter_dir: Path | None = None
     sampler: Any = None
+    tenant: str = ""
 
 
 def checkpoint_dir_of(root: Path, tinker_path: str, field_name: str = "path") -> tuple[Path, str, str]:
+    """``root`` is the tenant's folder (:meth:`ServerState.root_of`)."""
     """``tinker://RUN/KIND/NAME`` -> (``root/RUN/KIND/NAME``, RUN, KIND); PayloadError naming ``field_name``."""
     if not isinstance(tinker_path, str) or not tinker_path.startswith("tinker://"):
         raise PayloadError(field_name, f"must be a tinker://RUN/weights/NAME path (got {tinker_path!r})")
@@ -102,6 +121,10 @@ class ServerState:
         self._lock = threading.Lock()
         self._device = None
 
+    def root_of(self, tenant: str) -> Path:
+        """The checkpoint folder of ``tenant`` (the default tenant: ``--checkpoint_dir`` itself)."""
+        return self.root / f"tenant-{tenant}" if tenant else self.root
+
     @property
     def device(self):
         if self._device is None:
@@ -123,9 +146,9 @@ class ServerState:
                                        f"(mapped: {known})")
 
     # -- futures ----------------------------------------------------------------------------------------
-    def new_future(self, kind: str) -> FutureRecord:
+    def new_future(self, kind: str, tenant: str = "") -> FutureRecord:
         self._purge()
-        rec = FutureRecord(request_id=f"req-{uuid.uuid4().hex}", kind=kind, done=asyncio.Event())
+        rec = FutureRecord(request_id=f"req-{uuid.uuid4().hex}", kind=kind, done=asyncio.Event(), tenant=tenant)
         self.futures[rec.request_id] = rec
         return rec
 
@@ -155,25 +178,55 @@ class ServerState:
 
         self.executor.submit(job)
 
-    def submit(self, kind: str, fn: Callable[[], Any]) -> FutureRecord:
-        rec = self.new_future(kind)
+    def submit(self, kind: str, fn: Callable[[], Any], tenant: str = "") -> FutureRecord:
+        rec = self.new_future(kind, tenant)
         self.run(rec, fn)
         return rec
 
-    def submit_ordered(self, entry: ModelEntry, seq_id: int, kind: str, fn: Callable[[], Any]) -> FutureRecord:
-        """Queue ``fn`` as request ``seq_id`` of ``entry``'s model (module docstring)."""
-        if seq_id in entry.seen:
-            return self.futures.get(entry.seen[seq_id]) or self._gone(seq_id)
+    def submit_ordered(self, entry: ModelEntry, seq_id: int, kind: str, fn: Callable[[], Any], *, digest: str = "",
+                       check: Callable[[], None] | None = None) -> FutureRecord:
+        """Queue ``fn`` as request ``seq_id`` of ``entry``'s model (module docstring). ``digest`` identifies the
+        request (route and body); ``check`` refuses it (PayloadError) before anything is queued, its
+        ``seq_id`` then counting as used."""
+        if seq_id < 1:
+            raise PayloadError("seq_id", f"must be >= 1 (got {seq_id})")
+        prior = entry.seen.get(seq_id)
+        if prior is not None:
+            seen_digest, request_id, refusal = prior
+            if seen_digest != digest:
+                raise PayloadError("seq_id", f"{seq_id} of this model was already used by a different request "
+                                             f"(next: {entry.next_seq})", status=409)
+            if refusal is not None:
+                raise refusal
+            return self.futures.get(request_id) or self._gone(seq_id)
         if seq_id < entry.next_seq:
-            raise PayloadError("seq_id", f"{seq_id} of model {entry.model_id} already ran (next: {entry.next_seq})")
-        rec = self.new_future(kind)
+            raise PayloadError("seq_id", f"{seq_id} of this model already ran (next: {entry.next_seq})")
+        window = self.cfg.seq_window
+        in_window = seq_id < entry.next_seq + window
+        if check is not None:
+            try:
+                check()
+            except PayloadError as err:
+                if in_window:  # the seq_id is used up: the next request must not wait for it
+                    self._remember(entry, seq_id, (digest, None, err))
+                    entry.waiting[seq_id] = (None, None)
+                    self._drain(entry)
+                raise
+        if not in_window:
+            raise PayloadError("seq_id", f"{seq_id} is too far ahead of this model's next seq_id {entry.next_seq} "
+                                         f"(at most {window - 1} ahead; --seq_window)")
+        rec = self.new_future(kind, entry.tenant)
         entry.waiting[seq_id] = (rec, fn)
-        entry.seen[seq_id] = rec.request_id
+        self._remember(entry, seq_id, (digest, rec.request_id, None))
+        self._drain(entry)
+        return rec
+
+    @staticmethod
+    def _remember(entry: ModelEntry, seq_id: int, what) -> None:
+        entry.seen[seq_id] = what
         if len(entry.seen) > 4096:
             for k in sorted(entry.seen)[:2048]:
                 del entry.seen[k]
-        self._drain(entry)
-        return rec
 
     def _gone(self, seq_id: int):
         raise PayloadError("seq_id", f"{seq_id} already ran and its result has expired", status=410)
@@ -182,7 +235,8 @@ class ServerState:
         while entry.next_seq in entry.waiting:
             rec, fn = entry.waiting.pop(entry.next_seq)
             entry.next_seq += 1
-            self.run(rec, fn)
+            if rec is not None:  # None: a request refused at submit time
+                self.run(rec, fn)
         if entry.waiting:
             if entry.blocked_since is None:
                 entry.blocked_since = time.monotonic()
@@ -194,16 +248,16 @@ class ServerState:
         if entry.blocked_since is None or not entry.waiting:
             return
         if time.monotonic() - entry.blocked_since >= self.cfg.seq_gap_timeout_s - 1e-3:
-            first = min(entry.waiting)
+            first = min(entry.waiting)  # (a refused request's slot counts: it arrived)
             log.warning("model %s: seq_id %d..%d never arrived in %.0f s; running seq_id %d", entry.model_id,
                         entry.next_seq, first - 1, self.cfg.seq_gap_timeout_s, first)
             entry.next_seq = first
             entry.blocked_since = None
             self._drain(entry)
 
-    async def wait(self, request_id: str, timeout: float) -> FutureRecord:
+    async def wait(self, request_id: str, timeout: float, tenant: str = "") -> FutureRecord:
         rec = self.futures.get(request_id)
-        if rec is None:
+        if rec is None or rec.tenant != tenant:
             raise PayloadError("request_id", f"unknown or expired request {request_id!r}", status=404)
         if not rec.done.is_set():
             try:
@@ -213,17 +267,26 @@ class ServerState:
         return rec
 
     # -- lookups ------------------------------------------------------------------------------------------
-    def model(self, model_id: str | None, field_name: str = "model_id") -> ModelEntry:
+    def model(self, model_id: str | None, tenant: str = "", field_name: str = "model_id") -> ModelEntry:
         entry = self.models.get(model_id or "")
-        if entry is None:
+        if entry is None or entry.tenant != tenant:
             raise PayloadError(field_name, f"unknown model {model_id!r} (create it with create_model, or load a "
                                            f"checkpoint with create_training_client_from_state)", status=404)
         return entry
 
-    def session(self, session_id: str, field_name: str = "session_id") -> dict:
+    def sampler(self, sampler_id: str | None, tenant: str = "", field_name: str = "sampler_id") -> SamplerEntry:
+        entry = self.samplers.get(sampler_id or "")
+        if entry is None or entry.tenant != tenant:
+            raise PayloadError(field_name, f"unknown sampler {sampler_id!r}", status=404)
+        return entry
+
+    def session(self, session_id: str, tenant: str = "", field_name: str = "session_id", *,
+                adopt: bool = True) -> dict:
         sess = self.sessions.get(session_id)
-        if sess is None:  # e.g. a session from before a server restart: adopt it
-            sess = self.sessions[session_id] = {"finished": False, "created": time.time()}
+        if sess is None and adopt:  # e.g. a session from before a server restart: adopt it
+            sess = self.sessions[session_id] = {"finished": False, "created": time.time(), "tenant": tenant}
+        if sess is None or sess.get("tenant", "") != tenant:
+            raise PayloadError(field_name, f"unknown session {session_id!r}", status=404)
         if sess["finished"]:
             raise PayloadError(field_name, f"session {session_id} is finished", status=410)
         return sess

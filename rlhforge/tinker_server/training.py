@@ -250,8 +250,9 @@ class TrainedModel:
         self.module.zero_grad(set_to_none=True)
 
 
-def read_meta(directory: Path) -> dict:
+def read_meta(directory: Path, tinker_path: str = "", field_name: str = "path") -> dict:
+    """The ``meta.json`` of a checkpoint folder; a 404 naming ``tinker_path`` (never the server's folder)."""
     path = directory / "meta.json"
     if not path.is_file():
-        raise PayloadError("path", f"no checkpoint at {directory}", status=404)
+        raise PayloadError(field_name, f"no checkpoint {tinker_path or directory.name!r}", status=404)
     return json.loads(path.read_text())
