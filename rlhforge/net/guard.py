@@ -134,7 +134,10 @@ class RequestGuard:
             await send(message)
 
         try:
-            await self.app(scope, guarded_receive, guarded_send)
+            try:
+                await self.app(scope, guarded_receive, guarded_send)
+            except BaseExceptionGroup as group:  # a task group between here and the read (e.g. BaseHTTPMiddleware)
+                raise _single(group) from None
         except ClientGone:
             return  # logged once above; uvicorn sends nothing to a closed connection
         except HTTPError as err:
@@ -147,3 +150,11 @@ class RequestGuard:
                         if k.lower() != "connection"]
             await guarded_send({"type": "http.response.start", "status": err.status, "headers": headers})
             await send({"type": "http.response.body", "body": payload})
+
+
+def _single(group: BaseExceptionGroup) -> BaseException:
+    """The one ClientGone / HTTPError a task group wrapped, else the group itself."""
+    found = group
+    while isinstance(found, BaseExceptionGroup) and len(found.exceptions) == 1:
+        found = found.exceptions[0]
+    return found if isinstance(found, (ClientGone, HTTPError)) else group

@@ -28,11 +28,29 @@ from rlhforge.tinker_server.state import ServerState
 __all__ = ["create_app"]
 
 
+class KeyGuard:
+    """ASGI middleware: 401 without an accepted key (``/api/v1/healthz`` excepted); else the request's tenant
+    in ``request.state.tenant``. (Plain ASGI: no task group between the routes and the body reads.)"""
+
+    def __init__(self, app, tenant_of: dict[str, str]):
+        self.app, self.tenant_of, self.keys = app, tenant_of, tuple(tenant_of)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        key = match_key(request.headers, self.keys)
+        if key is None and scope["path"] not in OPEN_PATHS:
+            response = JSONResponse({"detail": "X-API-Key: missing or not an accepted key"}, status_code=401)
+            return await response(scope, receive, send)
+        scope.setdefault("state", {})["tenant"] = self.tenant_of.get(key, "")
+        await self.app(scope, receive, send)
+
+
 def create_app(cfg, api_keys: tuple[str, ...], tenants: dict[str, str] | None = None):
     """``api_keys``: the keys of the default tenant; ``tenants``: key -> tenant name (``--api_keys_file``)."""
     tenants = dict(tenants or {})
     tenant_of = {**{k: "" for k in api_keys}, **tenants}
-    keys = tuple(tenant_of)
     state = ServerState(cfg)
     ctx = Context(cfg, state)
 
@@ -47,17 +65,7 @@ def create_app(cfg, api_keys: tuple[str, ...], tenants: dict[str, str] | None = 
     app = FastAPI(title="rlhforge serve-tinker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tinker = state
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        key = match_key(request.headers, keys)
-        if request.url.path not in OPEN_PATHS and key is None:
-            return JSONResponse({"detail": "X-API-Key: missing or not an accepted key"}, status_code=401)
-        request.state.tenant = tenant_of.get(key, "")
-        try:
-            return await call_next(request)
-        except PayloadError as err:
-            return JSONResponse({"detail": str(err)}, status_code=err.status)
-
+    app.add_middleware(KeyGuard, tenant_of=tenant_of)
     # outermost: body size counted while it streams, read deadline, mid-body disconnects (rlhforge.net.guard)
     app.add_middleware(RequestGuard, limits=BodyLimits(cfg.max_request_bytes, cfg.body_timeout_s), error_key="detail")
 

@@ -38,8 +38,8 @@ def router(ctx) -> APIRouter:
         tenant = ctx.tenant(request)
         state.session(req.session_id, tenant)
         sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
-        if sampler_id not in state.samplers:
-            state.samplers[sampler_id] = sampler_from(tenant, req.base_model, req.model_path, sampler_id)
+        if not state.has_sampler(tenant, sampler_id):
+            state.add_sampler(sampler_from(tenant, req.base_model, req.model_path, sampler_id))
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @api.get("/api/v1/samplers/{sampler_id}")

@@ -43,7 +43,7 @@ def router(ctx) -> APIRouter:
     async def create_session(request: Request):
         S.parse(S.CreateSession, await ctx.body_of(request))
         session_id = uuid.uuid4().hex
-        state.sessions[session_id] = {"finished": False, "created": time.time(), "tenant": ctx.tenant(request)}
+        state.new_session(ctx.tenant(request), session_id)
         return {"type": "create_session", "session_id": session_id}
 
     @api.post("/api/v1/session_heartbeat")
@@ -54,7 +54,9 @@ def router(ctx) -> APIRouter:
 
     @api.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
-        state.session(session_id, ctx.tenant(request), adopt=True)["finished"] = True
+        sess = state.sessions.get(state.key_of(ctx.tenant(request), session_id))
+        if sess is not None:  # finishing an unknown (or another tenant's) session changes nothing
+            sess["finished"] = True
         return {}
 
     @api.post("/api/v1/telemetry")

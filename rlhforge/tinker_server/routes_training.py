@@ -37,10 +37,8 @@ class ModelOps:
     def new_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, base_dir: str,
                   spec: LoraSpec) -> ModelEntry:
         model_id = f"{session_id}:train:{model_seq_id}"  # the SDK derives this id itself (create-via-load)
-        if model_id in self.state.models:
-            raise PayloadError("model_seq_id", f"{model_seq_id} is already a model of this session")
         entry = ModelEntry(model_id, base_model, base_dir, spec, tenant=tenant, run=f"run-{secrets.token_hex(8)}")
-        self.state.models[model_id] = entry
+        self.state.add_model(entry)
         return entry
 
     def build(self, entry: ModelEntry) -> TrainedModel:

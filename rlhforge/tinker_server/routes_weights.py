@@ -59,10 +59,10 @@ def router(ctx) -> APIRouter:
                 raise PayloadError("path", "give a path (a name), or sampling_session_seq_id for an ephemeral sampler")
             session_id = entry.model_id.split(":train:")[0]
             sampler_id = f"{session_id}:sample:{req.sampling_session_seq_id}"
-            if sampler_id in state.samplers:
+            if state.has_sampler(entry.tenant, sampler_id):
                 raise PayloadError("sampling_session_seq_id", f"sampler {sampler_id} exists already")
-            plan["sampler"] = state.samplers[sampler_id] = SamplerEntry(sampler_id, entry.base_model, entry.base_dir,
-                                                                        tenant=entry.tenant)
+            plan["sampler"] = state.add_sampler(SamplerEntry(sampler_id, entry.base_model, entry.base_dir,
+                                                             tenant=entry.tenant))
 
         def run():
             if "path" in plan:

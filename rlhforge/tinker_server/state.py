@@ -112,6 +112,8 @@ class ServerState:
     def __init__(self, cfg):
         self.cfg = cfg
         self.root = Path(cfg.checkpoint_dir).expanduser().resolve()
+        # keyed by key_of(tenant, id): each tenant has its own name space, so another tenant's ids are unknown
+        # here in every way (even a session id guessed right is adopted as a new session of one's own)
         self.sessions: dict[str, dict] = {}
         self.models: dict[str, ModelEntry] = {}
         self.samplers: dict[str, SamplerEntry] = {}
@@ -120,6 +122,29 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._device = None
+
+    @staticmethod
+    def key_of(tenant: str, ident: str) -> str:
+        """The table key of a tenant's session/model/sampler id (the default tenant's: the id itself)."""
+        return f"{tenant}/{ident}" if tenant else ident
+
+    def add_model(self, entry: ModelEntry) -> None:
+        key = self.key_of(entry.tenant, entry.model_id)
+        if key in self.models:
+            raise PayloadError("model_seq_id", f"{entry.model_id.rsplit(':', 1)[-1]} is already a model of this "
+                                               "session")
+        self.models[key] = entry
+
+    def has_sampler(self, tenant: str, sampler_id: str) -> bool:
+        return self.key_of(tenant, sampler_id) in self.samplers
+
+    def add_sampler(self, entry: SamplerEntry) -> SamplerEntry:
+        self.samplers[self.key_of(entry.tenant, entry.sampler_id)] = entry
+        return entry
+
+    def new_session(self, tenant: str, session_id: str) -> dict:
+        sess = self.sessions[self.key_of(tenant, session_id)] = {"finished": False, "created": time.time()}
+        return sess
 
     def root_of(self, tenant: str) -> Path:
         """The checkpoint folder of ``tenant`` (the default tenant: ``--checkpoint_dir`` itself)."""
@@ -268,24 +293,24 @@ class ServerState:
 
     # -- lookups ------------------------------------------------------------------------------------------
     def model(self, model_id: str | None, tenant: str = "", field_name: str = "model_id") -> ModelEntry:
-        entry = self.models.get(model_id or "")
-        if entry is None or entry.tenant != tenant:
+        entry = self.models.get(self.key_of(tenant, model_id or ""))
+        if entry is None:
             raise PayloadError(field_name, f"unknown model {model_id!r} (create it with create_model, or load a "
                                            f"checkpoint with create_training_client_from_state)", status=404)
         return entry
 
     def sampler(self, sampler_id: str | None, tenant: str = "", field_name: str = "sampler_id") -> SamplerEntry:
-        entry = self.samplers.get(sampler_id or "")
-        if entry is None or entry.tenant != tenant:
+        entry = self.samplers.get(self.key_of(tenant, sampler_id or ""))
+        if entry is None:
             raise PayloadError(field_name, f"unknown sampler {sampler_id!r}", status=404)
         return entry
 
     def session(self, session_id: str, tenant: str = "", field_name: str = "session_id", *,
                 adopt: bool = True) -> dict:
-        sess = self.sessions.get(session_id)
+        sess = self.sessions.get(self.key_of(tenant, session_id))
         if sess is None and adopt:  # e.g. a session from before a server restart: adopt it
-            sess = self.sessions[session_id] = {"finished": False, "created": time.time(), "tenant": tenant}
-        if sess is None or sess.get("tenant", "") != tenant:
+            sess = self.new_session(tenant, session_id)
+        if sess is None:
             raise PayloadError(field_name, f"unknown session {session_id!r}", status=404)
         if sess["finished"]:
             raise PayloadError(field_name, f"session {session_id} is finished", status=410)
