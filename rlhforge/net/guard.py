@@ -9,7 +9,7 @@ It wraps the request's ``receive`` so that whatever way a route reads the body (
 - **time**: the whole body must arrive within ``body_timeout_s`` of the first read, else 408 (a client that
   trickles its body a byte at a time cannot hold a connection and a request slot forever);
 - **disconnect**: a client that closes the connection before its body is complete ends the request with
-  one log line (``rlhforge.net`` logger, INFO) and :class:`~rlhforge.net.errors.ClientGone`, never a
+  one WARNING line (``rlhforge.net`` logger, no traceback) and :class:`~rlhforge.net.errors.ClientGone`, never a
   traceback and never a 500;
 - **errors**: an :class:`~rlhforge.net.errors.HTTPError` a route lets through is answered as
   ``{error_key: message}`` with its status (``error_key`` ``"error"``, or ``"detail"`` for serve-tinker);
@@ -111,7 +111,7 @@ class RequestGuard:
                                   f"({body.received} bytes received; --body_timeout_s)") from None
             if message["type"] == "http.disconnect":
                 client = scope.get("client") or ("?", 0)
-                log.info("%s %s: client %s:%s went away after %d of %s body bytes", scope.get("method"),
+                log.warning("%s %s: client %s:%s went away after %d of %s body bytes", scope.get("method"),
                          scope.get("path"), client[0], client[1], body.received,
                          body.declared if body.declared is not None else "?")
                 raise ClientGone(f"client went away after {body.received} body bytes")

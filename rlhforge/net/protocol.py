@@ -66,7 +66,7 @@ class HeaderDeadlineH11(H11Protocol):
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
         client = self.client or ("?", 0)
-        log.info("closed the connection of %s:%s: no complete request headers within %g s", client[0], client[1],
+        log.warning("closed the connection of %s:%s: no complete request headers within %g s", client[0], client[1],
                  seconds)
         if self.conn.our_state is h11.IDLE:
             self.transport.write(_RESPONSE)

@@ -60,7 +60,7 @@ def test_disconnect_mid_body_is_one_line_and_no_500(server, caplog):
     disconnect_mid_body(server.port, "/get_reward", AUTH)
     time.sleep(0.5)
     gone = [r for r in caplog.records if "went away" in r.getMessage()]
-    assert len(gone) == 1 and gone[0].levelno == logging.INFO, [r.getMessage() for r in caplog.records]
+    assert len(gone) == 1 and gone[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     after = httpx.get(f"{server.base_url}/health").json()["errors"]
     assert after["500"] == before["500"] == 0

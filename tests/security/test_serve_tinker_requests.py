@@ -79,13 +79,21 @@ def test_zstd_bomb_refused_with_rss_growing_under_64_mb(server, declared):
 
     watcher = threading.Thread(target=sample, daemon=True)
     watcher.start()
-    conn = Raw(server.port)
-    answers = [conn.request("POST", "/api/v1/forward_backward", bomb,
-                            {**AUTH, "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"})
-               for _ in range(3)]
+    answers = [None] * 3
+
+    def send(i):  # three at once, each on its own connection (89172c3: 2.4 GB RSS)
+        conn = Raw(server.port)
+        answers[i] = conn.request("POST", "/api/v1/forward_backward", bomb,
+                                  {**AUTH, "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"})
+        conn.close()
+
+    senders = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(60)
     stop.set()
     watcher.join()
-    conn.close()
     assert [a[0] for a in answers] == [413, 413, 413]
     assert peak[0] - base < 64 * 2**20, (peak[0] - base) / 2**20
 
