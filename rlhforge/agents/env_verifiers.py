@@ -41,6 +41,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -155,10 +156,15 @@ class VerifiersEnvExecutor(EpisodeExecutor):
     async def before_batch(self, ctx: EpisodeContext) -> None:
         import asyncio
 
+        from rlhforge.agents.http_routes import AgentServerLimits
         from rlhforge.agents.token_server import TokenServer
 
         if self.server is None:
-            self.server = TokenServer(self.tokenizer, self.model_name, ctx.lock, max_model_len=self.settings.max_len)
+            limits = AgentServerLimits.from_settings(self.settings)
+            if limits.api_key:  # verifiers' train client reads its key from this variable (_model_context)
+                os.environ["RLHFORGE_VERIFIERS_API_KEY"] = limits.api_key
+            self.server = TokenServer(self.tokenizer, self.model_name, ctx.lock, max_model_len=self.settings.max_len,
+                                      limits=limits)
             await asyncio.to_thread(self.server.start)
         self.server.bind(asyncio.get_running_loop(), ctx.engine.generate_one)
         self._serving = contextlib.AsyncExitStack()

@@ -49,7 +49,7 @@ import asyncio
 import inspect
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from rlhforge.agents.batching import BatchingEngine
@@ -87,6 +87,12 @@ class AgentSettings:
     """OpenAI server: what a request whose prompt does not extend the session does (error|new_segment)."""
     check_tokens: bool = False
     """Record every generation call (``Trajectory.engine_turns``) for the token checker."""
+    server_max_body_mb: float = 8.0
+    """Agent servers: largest request body in MiB (``--train.agent_server_max_body_mb``)."""
+    server_max_message_chars: int = 262_144
+    """Agent servers: longest message / new text of one request (``--train.agent_server_max_message_chars``)."""
+    server_api_key: str | None = field(default=None, repr=False)
+    """Agent servers: the key clients must send (``--train.agent_server_api_key``; None: $RLHFORGE_AGENT_API_KEY)."""
 
     @classmethod
     def from_config(cls, cfg) -> "AgentSettings":
@@ -94,7 +100,10 @@ class AgentSettings:
         return cls(step_timeout=t.agent_step_timeout, episode_timeout=t.agent_episode_timeout,
                    env_concurrency=t.agent_env_concurrency, fail_fast=t.agent_fail_fast, max_len=cfg.data.max_len,
                    prefix_mismatch=t.agent_openai_prefix_mismatch, check_tokens=getattr(t, "check_tokens", False),
-                   max_stuck_threads=getattr(t, "agent_max_stuck_threads", cls.max_stuck_threads))
+                   max_stuck_threads=getattr(t, "agent_max_stuck_threads", cls.max_stuck_threads),
+                   server_max_body_mb=getattr(t, "agent_server_max_body_mb", cls.server_max_body_mb),
+                   server_max_message_chars=getattr(t, "agent_server_max_message_chars", cls.server_max_message_chars),
+                   server_api_key=getattr(t, "agent_server_api_key", None))
 
 
 def sample_id(req: PromptRequest) -> str:

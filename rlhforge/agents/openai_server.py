@@ -54,7 +54,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor, turn_seed
-from rlhforge.agents.http_routes import _HTTPError, add_generation_route
+from rlhforge.agents.http_routes import AgentServerLimits, _HTTPError, add_generation_route, install_guards
+from rlhforge.agents.request_checks import chat_messages, check_length, parse_sampling
+from rlhforge.agents.tokenizer_threads import TokenizerThreads
 from rlhforge.agents.values import _float_logs, to_float
 from rlhforge.agents.types import Trajectory
 from rlhforge.agents.token_check import EngineTurn
@@ -125,22 +127,6 @@ def _free_socket() -> socket.socket:
     return sock
 
 
-def _message_text(content: Any) -> Any:
-    """OpenAI content parts -> plain text (text parts joined); other values unchanged."""
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, dict) and p.get("type") == "text":
-                parts.append(p.get("text", ""))
-            elif isinstance(p, str):
-                parts.append(p)
-            else:
-                raise _HTTPError(400, f"unsupported content part {p.get('type') if isinstance(p, dict) else p!r} "
-                                      "(only text parts)")
-        return "".join(parts)
-    return "" if content is None else content
-
-
 def _divergence(a: str, b: str) -> str:
     i = 0
     while i < min(len(a), len(b)) and a[i] == b[i]:
@@ -151,11 +137,21 @@ def _divergence(a: str, b: str) -> str:
 
 class ChatServer:
     """FastAPI app + uvicorn thread; generation runs on the trainer's event loop through
-    ``bind(loop, generate_one)``."""
+    ``bind(loop, generate_one)``. Chat-template rendering, tokenisation and decoding run in the server's
+    own ``TOKENIZER_THREADS`` worker threads (:class:`~rlhforge.agents.tokenizer_threads.TokenizerThreads`),
+    never on its event loop: a request that makes the tokenizer work (at most ``limits.max_message_chars``
+    of new text) holds neither the event loop, nor the tokenizer lock the trainer shares, nor the other
+    threads. ``limits``: body and message limits, the
+    optional key (:class:`~rlhforge.agents.http_routes.AgentServerLimits`; docs/security.md)."""
 
-    def __init__(self, tokenizer, model_name: str = "policy", tokenizer_lock: Any = None):
+    TOKENIZER_THREADS = 4
+
+    def __init__(self, tokenizer, model_name: str = "policy", tokenizer_lock: Any = None,
+                 limits: AgentServerLimits | None = None):
         self.tokenizer, self.model_name = tokenizer, model_name
+        self.limits = limits or AgentServerLimits()
         self.lock = tokenizer_lock or threading.RLock()
+        self.tok = TokenizerThreads(tokenizer, self.lock, self.TOKENIZER_THREADS)
         self.sessions: dict[str, ChatSession] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._generate: Callable | None = None
@@ -179,9 +175,13 @@ class ChatServer:
             return self.url
         import uvicorn
 
+        from rlhforge.net.server import uvicorn_config
+
+        self.tok.start()
         sock = _free_socket()
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        # header deadline, header size and keep-alive bounds of every rlhforge service (rlhforge.net.server)
+        config = uvicorn_config(self.app, "127.0.0.1", self.port, lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="rlhforge-openai-server")
@@ -194,6 +194,7 @@ class ChatServer:
         return self.url
 
     def stop(self) -> None:
+        self.tok.stop()
         if self._server is not None:
             self._server.should_exit = True
             if self._thread is not None:
@@ -214,20 +215,15 @@ class ChatServer:
     def close_session(self, sid: str) -> ChatSession | None:
         return self.sessions.pop(sid, None)
 
-    # -- tokenizer (guarded: one tokenizer shared by threads) -------------------------------------
+    # -- tokenizer (TokenizerThreads: a private copy in the server's threads, else the shared one locked) -
     def _render(self, messages, tools) -> str:
-        kwargs = {"tools": tools} if tools else {}
-        with self.lock:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return self.tok.render(messages, tools)
 
     def _encode(self, text: str) -> list[int]:
-        with self.lock:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.tok.encode(text)
 
     def _decode(self, ids, skip_special_tokens=False) -> str:
-        with self.lock:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
-                                         clean_up_tokenization_spaces=False)
+        return self.tok.decode(ids, skip_special_tokens)
 
     # -- shared by the generation routes ---------------------------------------------------------
     def _session(self, sid: str) -> ChatSession:
@@ -249,6 +245,8 @@ class ChatServer:
     # -- the chat call --------------------------------------------------------------------------
     async def chat(self, body: dict, sid: str | None) -> dict:
         sid = sid or body.get("session_id")
+        if sid is not None and not isinstance(sid, str):
+            raise _HTTPError(400, f"'session_id' must be a string (got {type(sid).__name__})")
         if not sid:
             raise _HTTPError(400, "no session: use the client passed to run_agent (its base URL names the session)")
         sess = self._session(sid)
@@ -258,67 +256,35 @@ class ChatServer:
     async def _chat(self, sess: ChatSession, body: dict) -> dict:
         if sess.error:
             raise _HTTPError(400, f"session failed earlier: {sess.error}")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _HTTPError(400, "'messages' must be a non-empty list")
-        msgs = []
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise _HTTPError(400, f"bad message {m!r}: expected {{'role', 'content'}}")
-            msgs.append({**m, "content": _message_text(m.get("content"))})
+        msgs = chat_messages(body.get("messages"), self.limits.max_message_chars)
         tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise _HTTPError(400, f"'tools' must be a list (got {type(tools).__name__})")
         if tools and not self.renders_tools:
             raise _HTTPError(400, "this tokenizer's chat template does not render 'tools'; describe the tools in "
                                   "the messages or use a model whose template supports them")
-        if body.get("n", 1) not in (1, None):
-            raise _HTTPError(400, "n > 1 is not supported (one completion per call)")
-        if body.get("stream"):
-            raise _HTTPError(400, "stream=true is not supported")
-        text = self._render(msgs, tools)
-        if sess.tokens is None:
-            sess.start_segment(self._encode(text))
-        else:
-            recorded = self._decode(sess.tokens)
-            if text.startswith(recorded):
-                sess.extend(self._encode(text[len(recorded):]))
-            elif sess.prefix_mismatch == "new_segment":
-                sess.start_segment(self._encode(text))
-            else:
-                sess.error = _divergence(recorded, text) + (
-                    " (the prompt must extend the conversation so far; "
-                    "--train.agent_openai_prefix_mismatch new_segment trains on the last segment instead)")
-                raise _HTTPError(400, sess.error)
-        prompt_ids = list(sess.tokens)
+        if body.get("stream") not in (None, False):
+            raise _HTTPError(400, "stream=true is not supported ('stream' must be false or absent)")
+        sr = parse_sampling(body)  # the chat route uses max tokens, temperature, top_p, top_k, stop, logprobs
+        prompt_ids = await self.tok.run(self._extend_session, sess, msgs, tools)
         left = sess.remaining()
-        requested = body.get("max_completion_tokens") or body.get("max_tokens")
-        max_new = left if requested is None else min(int(requested), left)
+        max_new = left if sr.max_tokens is None else min(sr.max_tokens, left)
         if max_new <= 0:
             sess.cut, sess.last_finish = True, "length"
             ids, lps, finish = [], [], "length"
         else:
-            sp = sess.sampling
-            over = {}
-            if body.get("temperature") is not None:
-                over["temperature"] = float(body["temperature"])
-            if body.get("top_p") is not None:
-                over["top_p"] = float(body["top_p"])
-            sp = replace(sp, max_new_tokens=max_new, seed=turn_seed(sess.sampling.seed, sess.calls), **over)
+            sp = replace(sess.sampling, max_new_tokens=max_new, seed=turn_seed(sess.sampling.seed, sess.calls),
+                         **sr.overrides())
             out = await self._engine_generate(prompt_ids, sp)
             ids, lps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
-            stops = body.get("stop")
-            if stops:
-                ids, lps, finish = self._apply_stop(ids, lps, finish, [stops] if isinstance(stops, str) else stops)
+            if sr.stop:
+                ids, lps, finish = await self.tok.run(self._apply_stop, ids, lps, finish, list(sr.stop))
             sess.record(prompt_ids, ids, lps, finish)
         sess.calls += 1
-        content = self._decode(self._strip_stop(ids, sess.sampling))
+        content, entries = await self.tok.run(self._completion_text, ids, lps, sess.sampling, sr.logprobs)
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": content},
                                   "finish_reason": finish, "logprobs": None}
-        if body.get("logprobs"):
-            entries = []
-            for t, lp in zip(ids, lps):
-                tok = self._decode([t])
-                entries.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode("utf-8")),
-                                "top_logprobs": []})
+        if sr.logprobs:
             choice["logprobs"] = {"content": entries}
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -327,6 +293,41 @@ class ChatServer:
                       "total_tokens": len(prompt_ids) + len(ids)},
             "token_ids": {"prompt_token_ids": prompt_ids, "completion_token_ids": ids},
         }
+
+    def _extend_session(self, sess: ChatSession, msgs: list[dict], tools) -> list[int]:
+        """Render the request and append its new tokens to the session (a worker thread: the tokenizer
+        never runs on the event loop). The text tokenised for one request (the whole rendering on a
+        session's first call, else what follows the recorded text) is at most ``max_message_chars``
+        (413 before the tokenizer sees it). Returns the prompt ids of this call."""
+        text = self._render(msgs, tools)
+        limit = self.limits.max_message_chars
+        if sess.tokens is None:
+            sess.start_segment(self._encode(check_length(text, "the rendered prompt", limit)))
+        else:
+            recorded = self._decode(sess.tokens)
+            if text.startswith(recorded):
+                delta = check_length(text[len(recorded):], "the new text of this request (after the recorded "
+                                                           "conversation)", limit)
+                sess.extend(self._encode(delta))
+            elif sess.prefix_mismatch == "new_segment":
+                sess.start_segment(self._encode(check_length(text, "the rendered prompt", limit)))
+            else:
+                sess.error = _divergence(recorded, text) + (
+                    " (the prompt must extend the conversation so far; "
+                    "--train.agent_openai_prefix_mismatch new_segment trains on the last segment instead)")
+                raise _HTTPError(400, sess.error)
+        return list(sess.tokens)
+
+    def _completion_text(self, ids, lps, sp: SamplingParams, logprobs: bool) -> tuple[str, list[dict]]:
+        """The returned content and, when asked, its per-token log-prob entries (a worker thread)."""
+        content = self._decode(self._strip_stop(ids, sp))
+        entries = []
+        if logprobs:
+            for t, lp in zip(ids, lps):
+                tok = self._decode([t])
+                entries.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode("utf-8", "replace")),
+                                "top_logprobs": []})
+        return content, entries
 
     def _strip_stop(self, ids: list[int], sp: SamplingParams) -> list[int]:
         """The completion without its final eos/stop token: the content returned. Other special
@@ -368,6 +369,7 @@ class ChatServer:
 
         app = FastAPI(title="rlhforge OpenAI-compatible rollout server")
         server = self
+        install_guards(app, self.limits)
         self._add_routes(app)
 
         def models():
@@ -409,7 +411,8 @@ class OpenAIServerAgentExecutor(EpisodeExecutor):
 
     async def before_batch(self, ctx: EpisodeContext) -> None:
         if self.server is None:
-            self.server = ChatServer(self.tokenizer, self.model_name, ctx.lock)
+            self.server = ChatServer(self.tokenizer, self.model_name, ctx.lock,
+                                     limits=AgentServerLimits.from_settings(self.settings))
             await asyncio.to_thread(self.server.start)
         self.server.bind(asyncio.get_running_loop(), ctx.engine.generate_one)
 
@@ -432,7 +435,7 @@ class OpenAIServerAgentExecutor(EpisodeExecutor):
         fn = self._agent_fn()
         is_async = inspect.iscoroutinefunction(fn)
         prompt = req.raw_prompt if req.raw_prompt is not None else ctx.decode(req.prompt_ids, skip_special_tokens=True)
-        kw = dict(base_url=self.server.session_url(sess.sid), api_key="rlhforge", max_retries=0,
+        kw = dict(base_url=self.server.session_url(sess.sid), api_key=self.server.limits.api_key or "rlhforge", max_retries=0,
                   timeout=s.episode_timeout)
         # one small connection pool per session: a pool shared by hundreds of concurrent sessions
         # spends its time scanning connections; verify=False skips loading CA certificates (the

@@ -38,49 +38,34 @@ import time
 import uuid
 from dataclasses import replace
 
-from rlhforge.agents.http_routes import _HTTPError, add_generation_route
+from rlhforge.agents.http_routes import AgentServerLimits, _HTTPError, add_generation_route
 from rlhforge.agents.openai_server import ChatServer, ChatSession
+from rlhforge.agents.request_checks import SamplingRequest, parse_sampling
 from rlhforge.agents.episode import turn_seed
 
 __all__ = ["TokenServer"]
 
 
-def _sampling_overrides(sp: dict) -> dict:
-    """vLLM sampling-param names -> rlhforge :class:`SamplingParams` fields (only those given)."""
-    if not isinstance(sp, dict):
-        raise _HTTPError(400, "'sampling_params' must be an object")
-    over = {}
-    for name, key, cast in (("temperature", "temperature", float), ("top_p", "top_p", float),
-                            ("top_k", "top_k", int)):
-        if sp.get(name) is not None:
-            try:
-                over[key] = cast(sp[name])
-            except (TypeError, ValueError):
-                raise _HTTPError(400, f"sampling_params.{name} must be a number (got {sp[name]!r})") from None
-    if sp.get("n", 1) not in (1, None):
-        raise _HTTPError(400, "sampling_params.n > 1 is not supported (one sequence per call)")
-    return over
-
-
 class TokenServer(ChatServer):
     """:class:`ChatServer` (OpenAI chat routes) plus vLLM's token route (module docstring)."""
 
-    def __init__(self, tokenizer, model_name: str = "policy", tokenizer_lock=None, max_model_len: int | None = None):
+    def __init__(self, tokenizer, model_name: str = "policy", tokenizer_lock=None, max_model_len: int | None = None,
+                 limits: AgentServerLimits | None = None):
         self.max_model_len = max_model_len
-        super().__init__(tokenizer, model_name, tokenizer_lock)
+        super().__init__(tokenizer, model_name, tokenizer_lock, limits)
 
     async def token_generate(self, body: dict, sid: str | None) -> dict:
         ids = body.get("token_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
             raise _HTTPError(400, "'token_ids' must be a non-empty list of non-negative integers")
         vocab = len(self.tokenizer)
         if max(ids) >= vocab:
             raise _HTTPError(400, f"token_ids holds {max(ids)}, beyond the tokenizer's {vocab} tokens")
-        sp_body = body.get("sampling_params") or {}
-        over = _sampling_overrides(sp_body)
+        sp_body = body.get("sampling_params")
+        sr = parse_sampling({} if sp_body is None else sp_body, "sampling_params.")
         if sid is None:
             sess = ChatSession("", self._default_sampling(), budget=10**9, max_len=self.max_model_len)
-            return await self._generate_tokens(sess, ids, sp_body, over, body, record=False)
+            return await self._generate_tokens(sess, ids, sr, body, record=False)
         sess = self._session(sid)
         async with sess.lock:
             if sess.error:
@@ -98,28 +83,26 @@ class TokenServer(ChatServer):
                               f"{sess.tokens[max(0, i - 3):i + 3]} vs new {ids[max(0, i - 3):i + 3]}); "
                               "--train.agent_openai_prefix_mismatch new_segment trains on the last segment instead")
                 raise _HTTPError(400, sess.error)
-            return await self._generate_tokens(sess, list(sess.tokens), sp_body, over, body, record=True)
+            return await self._generate_tokens(sess, list(sess.tokens), sr, body, record=True)
 
     def _default_sampling(self):
         from rlhforge.rollout.engine import SamplingParams
 
         return SamplingParams(max_new_tokens=1)
 
-    async def _generate_tokens(self, sess: ChatSession, prompt_ids, sp_body, over, body, *, record: bool) -> dict:
+    async def _generate_tokens(self, sess: ChatSession, prompt_ids, sr: SamplingRequest, body, *, record: bool) -> dict:
         left = sess.remaining() if record else (10**9 if self.max_model_len is None
                                                else max(self.max_model_len - len(prompt_ids), 0))
-        requested = sp_body.get("max_tokens")
-        max_new = left if requested is None else min(int(requested), left)
+        max_new = left if sr.max_tokens is None else min(sr.max_tokens, left)
         if max_new <= 0:
             if record:
                 sess.cut, sess.last_finish = True, "length"
             ids, lps, finish = [], [], "length"
         else:
-            stops = tuple(int(t) for t in (sp_body.get("stop_token_ids") or ()))
-            seed = sp_body.get("seed")
             base = sess.sampling
-            sp = replace(base, max_new_tokens=max_new, stop_token_ids=tuple(dict.fromkeys(base.stop_token_ids + stops)),
-                         seed=turn_seed(base.seed, sess.calls) if seed is None else int(seed), **over)
+            stops = tuple(dict.fromkeys(base.stop_token_ids + sr.stop_token_ids))
+            sp = replace(base, max_new_tokens=max_new, stop_token_ids=stops,
+                         seed=turn_seed(base.seed, sess.calls) if sr.seed is None else sr.seed, **sr.overrides())
             out = await self._engine_generate(prompt_ids, sp)
             ids, lps, finish = list(out.token_ids), [float(x) for x in out.logprobs], out.finish_reason
             if len(ids) != len(lps) or not all(math.isfinite(x) for x in lps):
