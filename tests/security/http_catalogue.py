@@ -12,7 +12,7 @@ import socket
 import time
 
 __all__ = ["Raw", "common_bad_bodies", "check_catalogue", "send_large", "trickle", "trickle_on", "assert_large_bodies_refused",
-           "assert_slow_clients_closed", "disconnect_mid_body"]
+           "assert_slow_clients_closed", "disconnect_mid_body", "assert_disconnect_is_one_line"]
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 
@@ -131,21 +131,9 @@ def send_large(port: int, path: str, total: int, *, chunked: bool, headers: dict
 
 
 def trickle(port: int, data: bytes, every_s: float, limit_s: float) -> tuple[tuple | None, float]:
-    """Sends ``data`` one byte every ``every_s`` until the server answers or closes (or ``limit_s``)."""
-    conn = Raw(port, timeout=limit_s)
-    started = time.monotonic()
-    try:
-        for byte in data:
-            if conn.readable() or time.monotonic() - started > limit_s:
-                break
-            conn.send(bytes([byte]))
-            time.sleep(every_s)
-    except (BrokenPipeError, ConnectionResetError):
-        pass
-    answer = conn.response()
-    elapsed = time.monotonic() - started
-    conn.close()
-    return answer, elapsed
+    """Sends ``data`` one byte every ``every_s`` on a new connection until the server answers or closes (or
+    ``limit_s``)."""
+    return trickle_on(Raw(port, timeout=limit_s), data, every_s, limit_s)
 
 
 def assert_large_bodies_refused(port: int, path: str, probe: tuple[str, str], limit: int,
@@ -201,7 +189,8 @@ def assert_slow_clients_closed(port: int, path: str, probe: tuple[str, str], hea
     return {"headers_s": head_s, "body_s": body_elapsed, "probe_s": probe_s}
 
 
-def trickle_on(conn: Raw, data: bytes, every_s: float, limit_s: float):
+def trickle_on(conn: Raw, data: bytes, every_s: float, limit_s: float) -> tuple[tuple | None, float]:
+    """:func:`trickle` on an open connection (which it closes)."""
     started = time.monotonic()
     try:
         for byte in data:
@@ -214,6 +203,18 @@ def trickle_on(conn: Raw, data: bytes, every_s: float, limit_s: float):
     answer = conn.response()
     conn.close()
     return answer, time.monotonic() - started
+
+
+def assert_disconnect_is_one_line(port: int, path: str, headers: dict[str, str] | None, caplog) -> None:
+    """A client that leaves mid-body leaves one WARNING line on ``rlhforge.net`` and no ERROR record."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="rlhforge.net")
+    disconnect_mid_body(port, path, headers)
+    time.sleep(0.5)
+    gone = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 def disconnect_mid_body(port: int, path: str, headers: dict[str, str] | None = None) -> None:
