@@ -23,7 +23,7 @@ import torch
 from rlhforge.backend.fingerprint import Fingerprint, state_fingerprint  # noqa: F401 - re-exported
 from rlhforge.backend.strict_device import check, place
 
-__all__ = ["SyncTimeout", "open_group", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
+__all__ = ["SyncTimeout", "open_group", "store_server", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
            "stream_buckets", "receive_state", "state_fingerprint", "Fingerprint", "SyncGroup"]
 
 
@@ -44,6 +44,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def is_loopback_host(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def store_server(host: str, port: int, world_size: int | None, timeout: datetime.timedelta,
+                 wait_for_workers: bool = True):
+    """The ``TCPStore`` server of a group whose members meet at ``host:port`` (``port`` 0: a free one; the
+    store's ``.port`` says which). torch binds its store server to every interface whatever ``host`` is;
+    for a loopback ``host`` the server is handed a socket bound to 127.0.0.1 instead, so a group on one
+    machine listens on loopback only (docs/security.md, "Ray cluster")."""
+    from torch.distributed import TCPStore
+
+    if not is_loopback_host(host):
+        return TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the listening socket from here on
+    return TCPStore("127.0.0.1", port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers,
+                    master_listen_fd=fd, use_libuv=True)
+
+
 def open_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
                timeout_s: float = 1800.0):
     """Join (rank 0: host) a ``world_size``-member group. Blocks until every member has joined (at most
@@ -52,7 +76,8 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str = 
     from torch.distributed import TCPStore
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+    store = store_server(host, port, world_size, timeout) if rank == 0 else TCPStore(host, port, world_size, False,
+                                                                                      timeout=timeout)
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
 

@@ -91,6 +91,7 @@ def check_token_auth(local: bool) -> str:
     except ImportError:  # Ray before token authentication: the listeners are loopback only
         return "unavailable"
     if is_token_auth_enabled():
+        _owner_only(os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token"))
         return "token"
     where = "this local Ray cluster" if local else "the Ray cluster in RAY_ADDRESS"
     if os.environ.get(AUTH_MODE_ENV, "").lower() == "disabled":
@@ -105,6 +106,17 @@ def check_token_auth(local: bool) -> str:
 
     raise ConfigError(f"the local Ray cluster started without token authentication although {AUTH_MODE_ENV}="
                       f"{os.environ.get(AUTH_MODE_ENV)!r} asked for it")
+
+
+def _owner_only(path: str) -> None:
+    """Ray writes its token file with the process's umask (often world-readable, 0644): make it 0600 when
+    it is this user's."""
+    try:
+        st = os.stat(path)
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.chmod(path, 0o600)
+    except OSError:
+        pass
 
 
 def _is_loopback(address: str | None) -> bool:

@@ -71,13 +71,31 @@ class WorkerHost:
         self.worker = None
 
     def address(self) -> tuple[str, int]:
-        """This node's address and a free port (rank 0 hosts the process group's store)."""
+        """This node's address and a free port (rank 0 hosts the weight-sync group's store there)."""
         import ray
 
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
+
+    def group_address(self) -> tuple[str, int, bool]:
+        """Where the model's process group meets (rank 0's host): this node's address, a port, and whether
+        this host already serves the group's store there. On a loopback node (a local cluster) it does:
+        torch's own rendezvous would host the store on every interface (``backend.collective.store_server``),
+        so this host serves it on 127.0.0.1 for the actor's lifetime, and every rank joins it as a client
+        (``TORCHELASTIC_USE_AGENT_STORE``, torch's switch for a store hosted outside the ranks)."""
+        import datetime
+
+        import ray
+
+        from rlhforge.backend.collective import is_loopback_host, store_server
+
+        ip = ray.util.get_node_ip_address()
+        if is_loopback_host(ip):
+            self._store = store_server(ip, 0, None, datetime.timedelta(seconds=3600), wait_for_workers=False)
+            return ip, self._store.port, True
+        return (*self.address(), False)
 
     def set_env(self, env: dict[str, str]) -> None:
         os.environ.update(env)
@@ -157,9 +175,11 @@ class RayWorkerGroup:
                     "name": None, "max_restarts": 0}
             self.hosts.append(remote_host.options(**opts).remote(dict(base_env)))
         if process_group and num_workers > 1:
-            addr, port = self._get([self.hosts[0].address.remote()], "address")[0]
+            addr, port, hosted = self._get([self.hosts[0].group_address.remote()], "address")[0]
+            store = {"TORCHELASTIC_USE_AGENT_STORE": "True"} if hosted else {}
             self._get([h.set_env.remote({"RANK": str(r), "WORLD_SIZE": str(num_workers), "MASTER_ADDR": addr,
-                                         "MASTER_PORT": str(port)}) for r, h in enumerate(self.hosts)], "set_env")
+                                         "MASTER_PORT": str(port), **store}) for r, h in enumerate(self.hosts)],
+                      "set_env")
         else:
             self._get([h.set_env.remote({"RANK": "0", "WORLD_SIZE": "1"}) for h in self.hosts], "set_env")
         self._building = [h.build.remote(factory, args, kwargs or {}) for h in self.hosts]

@@ -199,3 +199,19 @@ def test_tokenizer_threads_give_the_shared_tokenizers_results_off_the_calling_th
         threads.stop()
     assert ids == expected[0] and back == tok.decode(expected[0], clean_up_tokenization_spaces=False)
     assert rendered == expected[1] and name.startswith("rlhforge-agent-tokenizer")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--train.agent_server_max_body_mb", "0", "--train.agent_server_max_body_mb must be > 0"),
+    ("--train.agent_server_max_message_chars", "0", "--train.agent_server_max_message_chars >= 1 (got 8.0 and 0)"),
+])
+def test_limit_flags_are_checked_at_start_up(flag, value, message, capsys):
+    from rlhforge.cli.train_ppo_ray import main as rl_main
+
+    argv = ["--actor.model_name_or_path", "/nonexistent/model", "--data.prompt_dataset", "builtin:arithmetic",
+            "--reward.remote_url", "builtin:arithmetic", "--rollout.batch_size", "8", "--train.batch_size", "8",
+            flag, value]
+    with pytest.raises(SystemExit) as exc:
+        rl_main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err, err

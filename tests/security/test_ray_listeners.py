@@ -2,12 +2,13 @@
 loopback only, and its token authentication is on and refuses a client without the token.
 
 The run is a child process (a fresh driver, as ``rlhforge rl --train.workers ray`` is): it starts the
-cluster through ``init_ray``, runs a task and an actor (so the raylet has started worker processes),
+cluster through ``init_ray``, runs a task, an actor, and a two-rank worker group whose ranks open their
+torch process group as rlhforge's workers do (``RayWorkerGroup`` + ``backend.device.init_process_group``),
 then lists every listening socket (TCP LISTEN, bound UDP) of its own process tree with psutil, as
 ``ss -ltnp`` / ``ss -lunp`` show them, and probes the GCS with a wrong token, no token, and the
 cluster's own token. On ``89172c3`` (before ``keep_loopback`` covered the local cluster) the list held
 the GCS, the raylet, the workers and the driver on ``::``, two helper processes on ``0.0.0.0`` and the
-dashboard and runtime-env agents on the machine's address.
+dashboard and runtime-env agents on the machine's address; and rank 0's torch store on ``::``.
 """
 
 import ipaddress
@@ -29,19 +30,42 @@ import json, os, subprocess, sys, time
 import psutil, ray
 from rlhforge.distributed.launch import check_token_auth, init_ray
 
-init_ray(num_cpus=1)
+import torch
+from ray.util.placement_group import placement_group
+from rlhforge.distributed.ray_group import RayWorkerGroup
+
+init_ray(num_cpus=2)
 
 @ray.remote
 def task():
     return os.getpid()
 
-@ray.remote
+@ray.remote(num_cpus=0)
 class Actor:
     def pid(self):
         return os.getpid()
 
+class Rank:  # a model rank as rlhforge's workers open it: torch.distributed through backend.device
+    def __init__(self):
+        import torch.distributed as dist
+        from rlhforge.backend.device import init_process_group
+        init_process_group(torch.device("cpu"))
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        self.total = t.item()
+
+    def pid(self):
+        return os.getpid(), self.total
+
 actor = Actor.remote()
-pids = [ray.get(task.remote()), ray.get(actor.pid.remote())]
+ray.get(task.remote())  # a task's worker (Ray may reuse or end it afterwards: not looked for below)
+pids = [ray.get(actor.pid.remote())]
+pg = placement_group([{"CPU": 1}, {"CPU": 1}])
+ray.get(pg.ready())
+group = RayWorkerGroup("probe", Rank, (), num_workers=2, pg=pg, share=1.0, device="cpu")
+ranks = group._get([h.run.remote("pid", (), {}) for h in group.hosts], "pid")
+assert [total for _, total in ranks] == [2.0, 2.0], ranks
+pids += [pid for pid, _ in ranks]
 time.sleep(1.0)  # the agents have opened every port by now (they report to the raylet first)
 me = psutil.Process()
 listeners = []
@@ -66,7 +90,10 @@ for label, extra in (("wrong_token", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN"
                      ("no_token", {"RAY_AUTH_MODE": "disabled"}), ("own_token", {"RAY_AUTH_MODE": "token"})):
     r = subprocess.run([sys.executable, "-c", probe], env={**base, **extra}, capture_output=True, text=True, timeout=60)
     probes[label] = (r.stdout.strip().splitlines() or ["(nothing) " + r.stderr[-300:]])[-1]
+token_file = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+token_mode = oct(os.stat(token_file).st_mode & 0o777) if os.path.exists(token_file) else None
 print("RESULT " + json.dumps({"listeners": listeners, "worker_pids": pids, "auth": check_token_auth(True),
+                              "token_mode": token_mode,
                               "auth_mode_env": os.environ.get("RAY_AUTH_MODE"), "probes": probes}))
 ray.shutdown()
 """
@@ -92,22 +119,48 @@ def _loopback(ip: str) -> bool:
 def test_every_listener_of_the_ray_tree_is_on_loopback(ray_run):
     listeners = ray_run["listeners"]
     names = {name for _, name, _, _, _ in listeners}
-    # the whole tree was seen: the GCS, the raylet, both agents, and the task's and actor's workers
+    # the whole tree was seen: the GCS, the raylet, both agents, the actor's and the two ranks' workers
     assert {"gcs_server", "raylet"} <= names, listeners
     assert any("DashboardAgent" in n or "DashboardA" in n for n in names), listeners
     assert any("RuntimeEnv" in n for n in names), listeners
     worker_pids = {pid for pid, *_ in listeners}
     assert set(ray_run["worker_pids"]) <= worker_pids, (ray_run["worker_pids"], listeners)
+    # the two model ranks: Ray's gRPC server, gloo's pair, and on rank 0 the process group's store
+    rank_ports = [[e for e in listeners if e[0] == pid] for pid in ray_run["worker_pids"][1:]]
+    assert min(len(r) for r in rank_ports) >= 2 and max(len(r) for r in rank_ports) >= 3, rank_ports
     outside = [entry for entry in listeners if not _loopback(entry[2])]
     assert outside == [], f"Ray processes listening beyond loopback (pid, name, address, port, kind): {outside}"
 
 
 def test_token_authentication_is_on_and_refuses_other_clients(ray_run):
     assert ray_run["auth"] == "token" and ray_run["auth_mode_env"] == "token"
+    assert ray_run["token_mode"] == "0o600", ray_run["token_mode"]  # Ray wrote it 0644: readable by every user
     probes = ray_run["probes"]
     assert probes["wrong_token"] == "REFUSED AuthenticationError", probes
     assert probes["no_token"] == "REFUSED AuthenticationError", probes
     assert probes["own_token"] == "ANSWERED", probes  # the probe itself works: the refusals are the token's
+
+
+def test_weight_sync_group_store_listens_on_loopback():
+    """A weight-sync group on one machine (backend.collective.open_group at 127.0.0.1): rank 0's store
+    server on 127.0.0.1, not on every interface as torch would bind it."""
+    import threading
+
+    from rlhforge.backend.collective import free_port, open_group
+
+    before = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}
+    port, groups = free_port(), {}
+
+    def member(rank):
+        groups[rank] = open_group("127.0.0.1", port, rank, 2, "gloo", 30)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert sorted(groups) == [0, 1]
+    now = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}
+    new = now - before
+    assert (("127.0.0.1", port) in new) and all(_loopback(ip) for ip, _ in new), new
 
 
 def test_loopback_check_itself():
