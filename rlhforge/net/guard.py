@@ -17,7 +17,7 @@ It wraps the request's ``receive`` so that whatever way a route reads the body (
   ``drain_bytes`` (or an unknown amount) of body is still to come (``Connection: close``); a smaller rest is
   read and discarded by the server, so the next request on that connection is served.
 
-Header time (slow loris before the body) is bounded by the protocol, :mod:`rlhforge.net.server`.
+Header time (slow loris before the body) is bounded by the protocol of :mod:`rlhforge.net.server`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and return normally) and :func:`start_server_thread` (tests, in-process use: a d
 port accepts connections) both build their uvicorn server with :func:`uvicorn_config`:
 
 - loopback (``127.0.0.1``) unless a host is given;
-- uvicorn's h11 protocol with a header deadline (:class:`~rlhforge.net.protocol.HeaderDeadlineH11`,
+- uvicorn's h11 protocol with a header deadline (:func:`header_deadline_h11`,
   ``ServerLimits.header_timeout_s``): a connection whose request headers are not complete in time (or that
   sends nothing) gets a 408 and is closed; headers are at most ``max_header_bytes`` (h11's
   ``h11_max_incomplete_event_size``; more is a 400); an idle keep-alive connection is closed after
@@ -20,17 +20,30 @@ the accepted keys, in constant time.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
+import logging
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["ServerLimits", "ServerHandle", "key_matches", "match_key", "uvicorn_config", "run_server",
+__all__ = ["uvicorn_module", "header_deadline_h11", "ServerLimits", "ServerHandle", "key_matches", "match_key", "uvicorn_config", "run_server",
            "start_server_thread", "LOOPBACK"]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+log = logging.getLogger("rlhforge.net")
+
+
+def uvicorn_module(sub: str = ""):
+    """``uvicorn`` (or its submodule ``sub``), imported here only: the one module of rlhforge that imports it."""
+    import importlib
+
+    import uvicorn
+
+    return importlib.import_module(f"uvicorn.{sub}") if sub else uvicorn
 
 
 @dataclass(frozen=True)
@@ -74,12 +87,8 @@ def key_matches(headers, api_key: str | None) -> bool:
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
                    limits: ServerLimits | None = None, **extra):
     """The ``uvicorn.Config`` of every rlhforge service (module docstring); ``extra`` goes to uvicorn."""
-    import uvicorn
-
-    from rlhforge.net.protocol import HeaderDeadlineH11
-
     limits = limits or ServerLimits()
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=HeaderDeadlineH11,
+    config = uvicorn_module().Config(app, host=host, port=port, log_level=log_level, http=header_deadline_h11(),
                             timeout_keep_alive=limits.keep_alive_s,
                             h11_max_incomplete_event_size=limits.max_header_bytes, **extra)
     config.header_timeout_s = limits.header_timeout_s
@@ -92,8 +101,6 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str
     and return the signal's name (None: the server stopped by itself)."""
     import signal
 
-    import uvicorn
-
     # uvicorn handles SIGTERM/SIGINT (graceful shutdown) and afterwards re-raises the signal to the handler
     # that was installed before it; make that one a recorder, so that a requested stop returns normally.
     received: list[int] = []
@@ -102,7 +109,7 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str
     try:
         config = uvicorn_config(app, host, port, log_level=log_level, limits=limits,
                                 timeout_graceful_shutdown=graceful_shutdown_s)
-        uvicorn.Server(config).run()
+        uvicorn_module().Server(config).run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -143,14 +150,12 @@ def start_server_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: fl
                         limits: ServerLimits | None = None, **extra) -> ServerHandle:
     """Run ``app`` with uvicorn in a daemon thread; returns once it accepts connections. ``port=0`` picks a free
     port. Raises RuntimeError naming ``name`` if it does not start."""
-    import uvicorn
-
     if port == 0:
         with socket.socket() as sock:
             sock.bind((host, 0))
             port = sock.getsockname()[1]
     extra.setdefault("lifespan", "on")
-    server = uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level, limits=limits, **extra))
+    server = uvicorn_module().Server(uvicorn_config(app, host, port, log_level=log_level, limits=limits, **extra))
     thread = threading.Thread(target=server.run, name=f"{name.replace(' ', '-')}-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
@@ -160,3 +165,70 @@ def start_server_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: fl
             raise RuntimeError(f"{name} on {host}:{port} did not start")
         time.sleep(0.02)
     return ServerHandle(server, thread, host, port, route)
+
+
+_BODY = b'{"error": "request headers not complete in time (--header_timeout_s)"}'
+_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+             b"content-length: " + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY)
+
+
+@functools.cache
+def header_deadline_h11() -> type:
+    """uvicorn's h11 protocol with a header deadline, built on first use (module docstring). uvicorn bounds the
+    idle time between two requests of a keep-alive connection but not the time a client takes to send a
+    request's headers, nor a connection that never sends a byte (50 clients trickling a header byte every 0.5 s
+    were held forever): this one starts a timer when a connection opens and at the first byte of each further
+    request, and closes the connection with a 408 when the headers are not complete within
+    ``config.header_timeout_s``."""
+    import h11
+
+    H11Protocol = uvicorn_module("protocols.http.h11_impl").H11Protocol
+
+    class HeaderDeadlineH11(H11Protocol):
+        """:class:`H11Protocol` closing connections whose request headers take over ``config.header_timeout_s``."""
+
+        header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            if self.header_timer is None:
+                seconds = getattr(self.config, "header_timeout_s", None)
+                if seconds:
+                    self.header_timer = self.loop.call_later(seconds, self._headers_late, seconds)
+
+        def _disarm(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()  # a connection that never sends a byte is a slow client too
+
+        def data_received(self, data: bytes) -> None:
+            if self.conn.their_state is h11.IDLE:
+                self._arm()
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+                self._arm()  # a pipelined next request already started
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _headers_late(self, seconds: float) -> None:
+            self.header_timer = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            client = self.client or ("?", 0)
+            log.warning("closed the connection of %s:%s: no complete request headers within %g s", client[0], client[1],
+                     seconds)
+            if self.conn.our_state is h11.IDLE:
+                self.transport.write(_RESPONSE)
+            self.transport.close()
+
+    return HeaderDeadlineH11
