@@ -99,6 +99,8 @@ def checkpoint_dir_of(root: Path, tinker_path: str, field_name: str = "path") ->
     if len(parts) != 3 or parts[1] not in KINDS or not all(_SEGMENT.match(p) and p not in (".", "..") for p in parts):
         raise PayloadError(field_name, f"must be tinker://RUN/weights/NAME or tinker://RUN/sampler_weights/NAME "
                                        f"(got {tinker_path!r})")
+    if parts[0].startswith("tenant-"):  # the folders of the --api_keys_file tenants, beside the default tenant's runs
+        raise PayloadError(field_name, f"no checkpoint {tinker_path!r}", status=404)
     return root.joinpath(*parts), parts[0], parts[1]
 
 

@@ -142,6 +142,12 @@ def test_no_server_folder_in_answers(server, alice, ckpt, tiny_model_dir):
                                                          "path": "tinker://run-0/weights/none", "optimizer": False})
     assert missing.status_code == 404 and "tinker://run-0/weights/none" in missing.json()["detail"]
     assert str(ckpt) not in missing.text
+    # the keys-file tenants' folders sit beside the default tenant's runs: not reachable as a RUN name
+    (ckpt / "tenant-bob" / "weights" / "x").mkdir(parents=True, exist_ok=True)
+    (ckpt / "tenant-bob" / "weights" / "x" / "meta.json").write_text("{}")
+    beside = http_a.post("/api/v1/load_weights", json={"model_id": mid, "seq_id": 51,
+                                                        "path": "tinker://tenant-bob/weights/x", "optimizer": False})
+    assert beside.status_code == 404, beside.text
     info = http_a.post("/api/v1/get_info", json={"model_id": mid}).json()
     assert info["model_data"]["tokenizer_id"] == "tiny" and str(tiny_model_dir) not in str(info)
 
