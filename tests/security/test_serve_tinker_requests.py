@@ -15,8 +15,9 @@ from rlhforge.config.serve_tinker import ServeTinkerConfig
 from rlhforge.net.server import ServerLimits, start_server_thread
 from rlhforge.tinker_server.app import create_app
 from tests.conftest import require_module
-from tests.security.http_catalogue import (Raw, assert_large_bodies_refused, assert_slow_clients_closed,
-                                           check_catalogue, common_bad_bodies, assert_disconnect_is_one_line)
+from tests.security.http_catalogue import (Raw, assert_disconnect_is_one_line, assert_large_bodies_refused,
+                                           assert_slow_clients_closed, check_catalogue, common_bad_bodies,
+                                           send_large)
 from tests.security.tinker_helpers import KEY_A, zstd_bomb
 
 AUTH = {"X-API-Key": KEY_A}
@@ -110,3 +111,15 @@ def test_disconnect_mid_body_is_one_line(server, caplog):
 
 def test_slow_clients_get_408_and_others_are_served(server):
     assert_slow_clients_closed(server.port, "/api/v1/optim_step", PROBE, 1.0, 1.0, AUTH)
+
+
+def test_chunked_body_is_counted_while_it_streams(tiny_model_dir, tmp_path):
+    """A chunked body over --max_request_bytes is refused once the limit has streamed in (89172c3 read it whole
+    first: 300 MB -> +280 MB RSS), and the server serves a new connection at once."""
+    cfg = ServeTinkerConfig(checkpoint_dir=str(tmp_path), device="cpu", model_map=(f"tiny={tiny_model_dir}",),
+                            max_request_bytes=4 << 20)
+    with start_server_thread(create_app(cfg, (KEY_A,)), route="/api/v1/healthz", name="tinker server") as small:
+        answer, sent, _ = send_large(small.port, "/api/v1/optim_step", 50 * 2**20, chunked=True, headers=AUTH)
+        assert answer is not None and answer[0] == 413 and b"--max_request_bytes" in answer[2]
+        assert sent < 25 * 2**20, sent / 2**20  # stopped near the 4 MiB limit, not after 50 MB
+        assert Raw(small.port).request(*PROBE)[0] == 200
