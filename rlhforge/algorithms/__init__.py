@@ -10,6 +10,7 @@ Modules, one family each (formulas and defaults: ``docs/algorithms.md``):
 - ``policy_losses_2026``: CISPO, SAPO, DPPO, DRO, GMPO, Clip-Cov, KL-Cov;
 - ``value_losses``: clipped / unclipped critic loss;
 - ``preference_losses``: reward-model and DPO/cDPO/IPO losses;
+- ``unpaired_losses``: KTO and APO-zero on unpaired (desirable/undesirable) examples;
 - ``corrections``: rollout-vs-trainer importance-sampling corrections (TIS, IcePop, ...);
 - ``shaping``: overlong and stop-properly penalties, running reward normalisation;
 - ``filtering``: DAPO dynamic filtering of prompt groups;
@@ -106,6 +107,7 @@ from .preference_losses import (
     rm_sigmoid_loss,
     sequence_logps,
 )
+from .unpaired_losses import KTO_LOSS_TYPES, get_kto_loss, kto_kl_estimate, kto_losses, kto_reference_point
 from .shaping import RunningMeanStd, overlong_penalty, stop_properly_penalty
 from .value_losses import value_loss
 
@@ -140,6 +142,8 @@ __all__ = [
     "DPO_LOSSES", "PREFERENCE_LOSSES", "RM_LOSSES", "cdpo_loss", "chosen_nll_loss", "dpo_sigmoid_loss",
     "get_dpo_loss", "get_rm_loss", "implicit_rewards", "ipo_loss", "preference_accuracy",
     "rm_logexp_loss", "rm_sigmoid_loss", "sequence_logps",
+    # unpaired_losses
+    "KTO_LOSS_TYPES", "get_kto_loss", "kto_kl_estimate", "kto_losses", "kto_reference_point",
     # shaping
     "RunningMeanStd", "overlong_penalty", "stop_properly_penalty",
     # value_losses

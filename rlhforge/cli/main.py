@@ -11,6 +11,7 @@ COMMANDS = {
     "sft": ("rlhforge.cli.train_sft", "supervised fine-tuning (= python -m rlhforge.cli.train_sft)"),
     "rm": ("rlhforge.cli.train_rm", "pairwise reward model (= python -m rlhforge.cli.train_rm)"),
     "dpo": ("rlhforge.cli.train_dpo", "DPO / cDPO / IPO (= python -m rlhforge.cli.train_dpo)"),
+    "kto": ("rlhforge.cli.train_kto", "KTO / APO-zero on unpaired data (= python -m rlhforge.cli.train_kto)"),
     "serve-rm": ("rlhforge.cli.serve_rm", "HTTP reward server over a reward model (= python -m rlhforge.cli.serve_rm)"),
     "serve-tinker": ("rlhforge.cli.serve_tinker", "Tinker-compatible training server for the tinker SDK (docs/tinker.md)"),
     "serve-sandbox": ("rlhforge.cli.serve_sandbox", "HTTP code sandbox for tool calls (= python -m rlhforge.cli.serve_sandbox)"),

@@ -23,6 +23,10 @@ Record fields (all forms of preference data at once, pick one by key mapping)::
 
 Parameters (``builtin:arithmetic_preference?n=2000&seed=3&max=20&hard=0@test``): ``n``, ``seed``,
 ``max`` (operand range, as ``builtin:arithmetic``), ``hard`` (percentage, default 0).
+
+``builtin:arithmetic_kto`` (for ``rlhforge kto``): the same problems unpaired, one completion each, the
+chosen answer labelled desirable or the rejected one labelled undesirable (``desirable=P`` percent of them
+desirable, default 50), ``{"prompt", "completion", "label", "answer", "datasource", "messages"}``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import random
 from rlhforge.data.builtin import TEST_SPLITS, generate_builtin, register_builtin
 from rlhforge.data.errors import DataError
 
-__all__ = ["generate_arithmetic_preference"]
+__all__ = ["generate_arithmetic_preference", "generate_arithmetic_kto"]
 
 NAME = "arithmetic_preference"
 
@@ -80,3 +84,23 @@ def generate_arithmetic_preference(split: str = "train", n: int = 1000, seed: in
 
 
 register_builtin(NAME, generate_arithmetic_preference, {"max": 20, "hard": 0})
+
+
+def generate_arithmetic_kto(split: str = "train", n: int = 1000, seed: int = 0, max: int = 20, hard: int = 0,  # noqa: A002
+                            desirable: int = 50) -> list[dict]:
+    """Unpaired (KTO) records over :func:`generate_arithmetic_preference`'s pairs; deterministic."""
+    if not 0 <= desirable <= 100:
+        raise DataError(f"builtin:arithmetic_kto: desirable must be a percentage in 0..100 (got {desirable})")
+    rng = random.Random(seed * 7_919 + (3 if split in TEST_SPLITS else 0) + 29)
+    records = []
+    for pair in generate_arithmetic_preference(split, n=n, seed=seed, max=max, hard=hard):
+        good = rng.random() * 100 < desirable
+        completion = pair["chosen"] if good else pair["rejected"]
+        records.append({"prompt": pair["prompt"], "completion": completion, "label": good, "answer": pair["answer"],
+                        "datasource": "arithmetic_kto",
+                        "messages": [{"role": "user", "content": pair["prompt"]},
+                                     {"role": "assistant", "content": completion}]})
+    return records
+
+
+register_builtin("arithmetic_kto", generate_arithmetic_kto, {"max": 20, "hard": 0, "desirable": 50})

@@ -71,10 +71,54 @@ from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 from rlhforge.tracking.progress import Progress, progress_enabled
 
-# totals accumulated per step / eval: loss, correct, chosen reward, rejected reward, chosen logp,
-# rejected logp, nll, tokens
-_FIELDS = ("loss", "acc", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp", "nll_loss", "tokens")
+class DPOObjective:
+    """The DPO-family loss of a micro-batch of pairs (DPO, cDPO, IPO, + NLL): what :class:`DPOTrainer` runs
+    unless it is handed another objective (``rlhforge kto``: :class:`rlhforge.trainers.kto.KTOObjective`).
 
+    An objective is called with the pairs' summed log-probs (policy ``sums`` [2B], reference ``ref`` [2B]:
+    the B chosen then the B rejected sequences), the policy's token log-probs and response masks [2B, T] and
+    the samples; it returns the summed loss over the pairs (differentiable) and detached totals named as
+    ``FIELDS``, which :meth:`metrics` turns into ``train/``/``eval/`` metrics (``pairs``: the pairs counted)
+    and :meth:`bar` into the progress bar's fields."""
+
+    # totals per step / eval: loss, correct, chosen reward, rejected reward, chosen logp, rejected logp, nll, tokens
+    UNIT = "pairs"  # what a step's examples are called in the metrics (train/pairs, perf/pairs_per_s)
+    FIELDS = ("loss", "acc", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp", "nll_loss", "tokens")
+
+    def __init__(self, cfg, strategy=None):
+        self.m = cfg.model
+
+    def __call__(self, sums: Tensor, ref: Tensor, token_logps: Tensor, mask: Tensor, samples) -> tuple[Tensor, dict]:
+        m, n = self.m, len(samples)
+        pc, pr, rc, rr = sums[:n], sums[n:], ref[:n].to(sums.dtype), ref[n:].to(sums.dtype)
+        if m.ipo_enable:
+            loss, chosen_rewards, rejected_rewards = ipo_loss(pc, pr, rc, rr, beta=m.beta)
+        else:
+            loss, chosen_rewards, rejected_rewards = dpo_sigmoid_loss(pc, pr, rc, rr, beta=m.beta,
+                                                                      label_smoothing=m.label_smoothing)
+        loss_sum = loss * n
+        nll_sum = torch.zeros((), device=loss.device)
+        if m.nll_loss_coef > 0:
+            nll_sum = chosen_nll_loss(token_logps[:n], mask[:n]) * n
+            loss_sum = loss_sum + m.nll_loss_coef * nll_sum
+        c, r = chosen_rewards.detach().double(), rejected_rewards.detach().double()
+        totals = dict(zip(self.FIELDS, (loss_sum, (c > r).sum(), c.sum(), r.sum(), pc.detach().double().sum(),
+                                        pr.detach().double().sum(), nll_sum, sum(len(s) for s in samples))))
+        return loss_sum, totals
+
+    def metrics(self, t: dict[str, float], pairs: float, prefix: str) -> dict[str, float]:
+        t = {k: t.get(k, 0.0) for k in self.FIELDS}
+        out = {f"{prefix}/{k}": t[k] / pairs for k in self.FIELDS if k not in ("tokens", "nll_loss")}
+        out[f"{prefix}/reward_margin"] = (t["chosen_reward"] - t["rejected_reward"]) / pairs
+        if self.m.nll_loss_coef > 0:
+            out[f"{prefix}/nll_loss"] = t["nll_loss"] / pairs
+        out[f"{prefix}/pairs"] = pairs
+        out[f"{prefix}/tokens"] = t["tokens"]
+        return out
+
+    @staticmethod
+    def bar(metrics: dict[str, float]) -> dict[str, float]:
+        return {"loss": metrics["train/loss"], "acc": metrics["train/acc"], "margin": metrics["train/reward_margin"]}
 
 def _rows(values: Tensor, seq_lens) -> Tensor:
     """A packed [1, N] tensor as [S, max_len] rows (zero-padded on the right)."""
@@ -195,8 +239,10 @@ class DPOState:
 
 class DPOTrainer:
     def __init__(self, cfg, strategy, model, reference: Reference, tokenizer, train_samples, eval_samples,
-                 plan: BatchPlan, logger: MetricsLogger, ring=None):
+                 plan: BatchPlan, logger: MetricsLogger, ring=None, objective=None, name: str = "dpo"):
         self.cfg, self.strategy, self.tokenizer = cfg, strategy, tokenizer
+        self.objective = objective if objective is not None else DPOObjective(cfg)
+        self.name = name  # the command: progress bar and messages
         self.model = model  # the wrapped module returned by strategy.prepare
         self.reference = reference
         self.ring = ring  # a context_parallel.RingGroup with --ds.ring_attn_size > 1, else None
@@ -222,9 +268,8 @@ class DPOTrainer:
         return {k: v.to(self.strategy.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _pair_losses(self, split: str, indices: list[int], samples) -> tuple[Tensor, dict]:
-        """(summed loss over the pairs (differentiable), detached totals named as ``_FIELDS``); called
-        under the strategy's autocast."""
-        m = self.cfg.model
+        """(summed loss over the pairs (differentiable), detached totals named as the objective's ``FIELDS``);
+        called under the strategy's autocast."""
         batch = self._collate(samples)
         ref = self.reference.lookup(split, indices)
         if ref is None:
@@ -232,23 +277,7 @@ class DPOTrainer:
         sums, token_logps, mask, *aux = _sequence_logps(self.model, batch, ring=self.ring,
                                                         with_aux=split == "train" and bool(self.aux_loss_coef))
         self.aux = aux[0] if aux else None
-        n = len(samples)
-        pc, pr, rc, rr = sums[:n], sums[n:], ref[:n].to(sums.dtype), ref[n:].to(sums.dtype)
-        if m.ipo_enable:
-            loss, chosen_rewards, rejected_rewards = ipo_loss(pc, pr, rc, rr, beta=m.beta)
-        else:
-            loss, chosen_rewards, rejected_rewards = dpo_sigmoid_loss(pc, pr, rc, rr, beta=m.beta,
-                                                                      label_smoothing=m.label_smoothing)
-        loss_sum = loss * n
-        nll_sum = torch.zeros((), device=loss.device)
-        if m.nll_loss_coef > 0:
-            nll_sum = chosen_nll_loss(token_logps[:n], mask[:n]) * n
-            loss_sum = loss_sum + m.nll_loss_coef * nll_sum
-        c, r = chosen_rewards.detach().double(), rejected_rewards.detach().double()
-        totals = dict(zip(_FIELDS, (loss_sum, (c > r).sum(), c.sum(), r.sum(), pc.detach().double().sum(),
-                                    pr.detach().double().sum(), nll_sum,
-                                    sum(len(s) for s in samples))))
-        return loss_sum, totals
+        return self.objective(sums, ref, token_logps, mask, samples)
 
     def _loss(self, ids: list[int], norm: StepNormaliser, passes: int):
         """This micro-batch's share of the step's mean pair loss (+ MoE balancing loss), and its totals."""
@@ -258,17 +287,6 @@ class DPOTrainer:
             loss = loss + self.aux_loss_coef * self.aux / passes
             totals.update(aux=self.aux.float(), aux_passes=1.0)
         return loss, totals
-
-    @staticmethod
-    def _metrics(t: dict[str, float], pairs: float, prefix: str, with_nll: bool) -> dict[str, float]:
-        t = {k: t.get(k, 0.0) for k in _FIELDS}
-        out = {f"{prefix}/{k}": t[k] / pairs for k in _FIELDS if k not in ("tokens", "nll_loss")}
-        out[f"{prefix}/reward_margin"] = (t["chosen_reward"] - t["rejected_reward"]) / pairs
-        if with_nll:
-            out[f"{prefix}/nll_loss"] = t["nll_loss"] / pairs
-        out[f"{prefix}/pairs"] = pairs
-        out[f"{prefix}/tokens"] = t["tokens"]
-        return out
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -281,11 +299,11 @@ class DPOTrainer:
                 self.reference.precompute("eval", self.eval_samples, mb, self._collate)
             self.reference.release_model()
             if strategy.is_rank0:
-                print(f"[rlhforge] dpo: reference log-probs of {len(self.train_samples)} train / "
+                print(f"[rlhforge] {self.name}: reference log-probs of {len(self.train_samples)} train / "
                       f"{len(self.eval_samples)} eval pairs precomputed in {time.perf_counter() - start:.1f}s")
         self._maybe_resume()
         bar = Progress(plan.total_steps, self.state.global_step,
-                       enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="dpo")
+                       enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc=self.name)
         strategy.train()
         with self.guard:
             self._loop(bar)
@@ -303,14 +321,13 @@ class DPOTrainer:
                               batch=lambda: batch_record(step - 1, plan, len(self.train_samples), cfg.train.seed))
             metrics.update(self.guard.metrics())
             metrics.update(step_timing(metrics, epoch, step_in_epoch, plan.steps_per_epoch, time.perf_counter() - start,
-                                       per_s=('pairs', 'tokens')))
+                                       per_s=(self.objective.UNIT, 'tokens')))
             if is_eval_step(step, plan.steps_per_epoch, cfg.eval.steps, plan.total_steps):
                 metrics.update(self.evaluate())
             if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
                 metrics["perf/peak_memory_gb"] = peak_memory_bytes(strategy.device) / 2**30
                 self.logger.log(step, metrics)
-            bar.update(1, loss=metrics["train/loss"], acc=metrics["train/acc"],
-                       margin=metrics["train/reward_margin"], lr=metrics["train/lr"])
+            bar.update(1, **self.objective.bar(metrics), lr=metrics["train/lr"])
             if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
                 self.save_checkpoint()
             self.guard.after_step(step, self.save_checkpoint)
@@ -329,7 +346,7 @@ class DPOTrainer:
         with self.reference.active():
             out = run_step(strategy, groups, lambda ids, n: self._loss(ids, n, len(groups)), norm, dummy=[indices[0]])
         self.step_skipped = out.skipped
-        metrics = self._metrics(out.totals, norm.seqs, "train", cfg.model.nll_loss_coef > 0)
+        metrics = self.objective.metrics(out.totals, norm.seqs, "train")
         metrics.update({"train/lr": out.stats["lr"], "train/grad_norm": out.stats["grad_norm"]})
         if self.aux_loss_coef:
             t = out.totals
@@ -349,7 +366,7 @@ class DPOTrainer:
         with self.reference.active():  # a dummy pass keeps collectives aligned (ZeRO-3)
             results = run_no_grad(self.strategy, batches, totals, dummy=[0])
         t = reduce_totals(self.strategy, sum_totals(results), self.copies)
-        return self._metrics(t, max(t.get("pairs", 0.0), 1.0), "eval", self.cfg.model.nll_loss_coef > 0)
+        return self.objective.metrics(t, max(t.get("pairs", 0.0), 1.0), "eval")
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
