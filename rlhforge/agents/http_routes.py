@@ -46,11 +46,15 @@ class AgentServerLimits:
     """Key every request but ``/health`` must carry (None: none)."""
     body_timeout_s: float = 60.0
     """Seconds a request's body may take to arrive (a client trickling its body is refused with 408)."""
+    header_timeout_s: float = 10.0
+    """Seconds a connection has to send a request's headers (else 408 and closed; rlhforge.net.server)."""
 
     def __post_init__(self):
-        if self.max_body_bytes < 1 or self.max_message_chars < 1 or not self.body_timeout_s > 0:
-            raise ValueError(f"AgentServerLimits: max_body_bytes, max_message_chars >= 1 and body_timeout_s > 0 "
-                             f"needed (got {self.max_body_bytes}, {self.max_message_chars}, {self.body_timeout_s})")
+        if self.max_body_bytes < 1 or self.max_message_chars < 1 or not self.body_timeout_s > 0 \
+                or not self.header_timeout_s > 0:
+            raise ValueError(f"AgentServerLimits: max_body_bytes, max_message_chars >= 1, body_timeout_s and "
+                             f"header_timeout_s > 0 needed (got {self.max_body_bytes}, {self.max_message_chars}, "
+                             f"{self.body_timeout_s}, {self.header_timeout_s})")
 
     @classmethod
     def from_settings(cls, settings) -> "AgentServerLimits":

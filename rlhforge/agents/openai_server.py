@@ -175,13 +175,14 @@ class ChatServer:
             return self.url
         import uvicorn
 
-        from rlhforge.net.server import uvicorn_config
+        from rlhforge.net.server import ServerLimits, uvicorn_config
 
         self.tok.start()
         sock = _free_socket()
         self.port = sock.getsockname()[1]
         # header deadline, header size and keep-alive bounds of every rlhforge service (rlhforge.net.server)
-        config = uvicorn_config(self.app, "127.0.0.1", self.port, lifespan="off", access_log=False)
+        config = uvicorn_config(self.app, "127.0.0.1", self.port, lifespan="off", access_log=False,
+                                limits=ServerLimits(header_timeout_s=self.limits.header_timeout_s))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="rlhforge-openai-server")

@@ -166,7 +166,8 @@ def test_the_trainers_own_agent_client_sends_the_key(tiny_model_dir, monkeypatch
     assert t.reward == 1.0 and seen["no_key"] == 401
 
 
-@pytest.mark.parametrize("bad", [{"max_body_bytes": 0}, {"max_message_chars": 0}, {"body_timeout_s": 0}])
+@pytest.mark.parametrize("bad", [{"max_body_bytes": 0}, {"max_message_chars": 0}, {"body_timeout_s": 0},
+                                 {"header_timeout_s": 0}])
 def test_limits_must_be_positive(bad):
     with pytest.raises(ValueError, match="AgentServerLimits"):
         AgentServerLimits(**bad)
