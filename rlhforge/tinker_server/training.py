@@ -10,7 +10,11 @@ every token of every datum, no normalisation):
 - ``importance_sampling``: ``-sum(exp(logp - logprobs) * advantages)`` (``logprobs``: the sampler's);
 - ``ppo``: ``-sum(min(r * A, clip(r, clip_low_threshold, clip_high_threshold) * A))``, ``r = exp(logp -
   logprobs)``, thresholds from ``loss_fn_config`` (default 0.8 / 1.2), through
-  :func:`rlhforge.algorithms.policy_losses.ppo_loss`.
+  :func:`rlhforge.algorithms.policy_losses.ppo_loss`;
+- ``cispo``: ``-sum(sg(clip(r, clip_low_threshold, clip_high_threshold)) * A * logp)`` (default 0.8 / 1.2),
+  through :func:`rlhforge.algorithms.cispo_loss`;
+- ``dro``: ``-sum(A * logp - beta / 2 * (logp - logprobs)^2)`` (``beta`` default 0.05), through
+  :func:`rlhforge.algorithms.dro_loss` with the sampler's ``logprobs`` as its ``old_log_probs``.
 
 Others are refused (:data:`REFUSED_LOSSES`) with the reason.
 """
@@ -28,18 +32,22 @@ from rlhforge.tinker_server.codec import Datum, PayloadError
 
 __all__ = ["LoraSpec", "TrainedModel", "SUPPORTED_LOSSES", "REFUSED_LOSSES", "check_loss", "lora_targets"]
 
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 REFUSED_LOSSES = {
-    "cispo": "not implemented by rlhforge serve-tinker (use importance_sampling or ppo)",
-    "dro": "not implemented by rlhforge serve-tinker (use importance_sampling or ppo)",
-    "gspo": "not implemented by rlhforge serve-tinker (use importance_sampling or ppo)",
+    "gspo": "not implemented by rlhforge serve-tinker (use ppo, cispo or dro)",
     "stable_reinforce": "its formula and the stability records it reads are not public",
     "custom": "server-side custom losses (create_custom_loss graphs) are not supported; "
               "TrainingClient.forward_backward_custom runs the loss client-side and works",
 }
 LOSS_INPUTS = {"cross_entropy": ("target_tokens", "weights"),
                "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-               "ppo": ("target_tokens", "logprobs", "advantages")}
+               "ppo": ("target_tokens", "logprobs", "advantages"),
+               "cispo": ("target_tokens", "logprobs", "advantages"),
+               "dro": ("target_tokens", "logprobs", "advantages")}
+# loss_fn_config keys and their defaults (Tinker's names; the thresholds bound the ratio r itself)
+LOSS_CONFIG = {"ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+               "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+               "dro": {"beta": 0.05}}
 
 
 def check_loss(loss_fn: str, config: dict, data: list[Datum]) -> None:
@@ -47,18 +55,24 @@ def check_loss(loss_fn: str, config: dict, data: list[Datum]) -> None:
     if loss_fn not in SUPPORTED_LOSSES:
         why = REFUSED_LOSSES.get(loss_fn, "unknown loss function")
         raise PayloadError("loss_fn", f"{loss_fn!r}: {why}; supported: {', '.join(SUPPORTED_LOSSES)}")
-    known = {"ppo": ("clip_low_threshold", "clip_high_threshold")}.get(loss_fn, ())
+    known = LOSS_CONFIG.get(loss_fn, {})
     for key, value in config.items():
         if key not in known:
             raise PayloadError(f"loss_fn_config.{key}", f"not a parameter of {loss_fn} (parameters: {list(known)})")
         if not isinstance(value, float) or not np.isfinite(value):
             raise PayloadError(f"loss_fn_config.{key}", f"must be a finite number (got {value!r})")
-    if loss_fn == "ppo":
-        lo, hi = ppo_thresholds(config)
-        if not 0 < lo <= 1:
+    params = loss_params(loss_fn, config)
+    if loss_fn in ("ppo", "cispo"):
+        lo = params["clip_low_threshold"]
+        if loss_fn == "ppo" and not 0 < lo <= 1:
             raise PayloadError("loss_fn_config.clip_low_threshold", f"must be in (0, 1] (got {lo})")
-        if hi < 1:
-            raise PayloadError("loss_fn_config.clip_high_threshold", f"must be >= 1 (got {hi})")
+        if loss_fn == "cispo" and not 0 <= lo <= 1:  # CISPO's weight may be floored at 0: no lower clip
+            raise PayloadError("loss_fn_config.clip_low_threshold", f"must be in [0, 1] (got {lo})")
+        if params["clip_high_threshold"] < 1:
+            raise PayloadError("loss_fn_config.clip_high_threshold",
+                               f"must be >= 1 (got {params['clip_high_threshold']})")
+    if loss_fn == "dro" and params["beta"] < 0:
+        raise PayloadError("loss_fn_config.beta", f"must be >= 0 (got {params['beta']})")
     for i, d in enumerate(data):
         need = LOSS_INPUTS[loss_fn]
         for name in d.inputs:
@@ -75,8 +89,29 @@ def check_loss(loss_fn: str, config: dict, data: list[Datum]) -> None:
                 raise PayloadError(f"data[{i}].loss_fn_inputs.{name}", "holds NaN or infinity")
 
 
-def ppo_thresholds(config: dict) -> tuple[float, float]:
-    return float(config.get("clip_low_threshold", 0.8)), float(config.get("clip_high_threshold", 1.2))
+def loss_params(loss_fn: str, config: dict) -> dict[str, float]:
+    """``loss_fn_config`` over the loss's defaults (:data:`LOSS_CONFIG`)."""
+    return {key: float(config.get(key, default)) for key, default in LOSS_CONFIG.get(loss_fn, {}).items()}
+
+
+def policy_loss(loss_fn: str, config: dict, lp: torch.Tensor, q: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """Per-token loss [T] of the ratio losses (``ppo``, ``cispo``, ``dro``): ``lp`` the model's log-probs
+    (differentiable), ``q`` the sampler's, ``adv`` the advantages; thresholds bound ``r = exp(lp - q)``."""
+    from rlhforge.algorithms import cispo_loss, dro_loss
+    from rlhforge.algorithms.policy_losses import ppo_loss
+
+    p = loss_params(loss_fn, config)
+    args = (lp[None], q[None], adv[None], torch.ones_like(lp[None]))
+    if loss_fn == "ppo":
+        per_token, _ = ppo_loss(*args, eps_low=1.0 - p["clip_low_threshold"], eps_high=p["clip_high_threshold"] - 1.0)
+    elif loss_fn == "cispo":
+        per_token, _ = cispo_loss(*args, eps_low=1.0 - p["clip_low_threshold"],
+                                  eps_high=p["clip_high_threshold"] - 1.0)
+    elif loss_fn == "dro":  # Tinker's DRO measures against the sampler: q is old_log_probs here
+        per_token, _ = dro_loss(*args, beta=p["beta"])
+    else:
+        raise ValueError(f"not a ratio loss: {loss_fn!r}")
+    return per_token[0]
 
 
 @dataclass(frozen=True)
@@ -171,8 +206,6 @@ class TrainedModel:
     def forward_backward(self, data: list[Datum], loss_fn: str, config: dict, forward_only: bool):
         """Per-datum outputs (``logprobs``, ``elementwise_loss``: float32 [T]) and ``{"loss:sum": ...}``;
         unless ``forward_only``, the gradient of the summed loss is added to the parameters' ``.grad``."""
-        from rlhforge.algorithms.policy_losses import ppo_loss
-
         self.strategy.train()
         grad = torch.enable_grad() if not forward_only else torch.no_grad()
         with grad:
@@ -185,11 +218,8 @@ class TrainedModel:
                     per_token = -f["weights"] * lp
                 elif loss_fn == "importance_sampling":
                     per_token = -torch.exp(lp - f["logprobs"]) * f["advantages"]
-                else:  # ppo
-                    lo, hi = ppo_thresholds(config)
-                    per_token, _ = ppo_loss(lp[None], f["logprobs"][None], f["advantages"][None],
-                                            torch.ones_like(lp[None]), eps_low=1.0 - lo, eps_high=hi - 1.0)
-                    per_token = per_token[0]
+                else:  # ppo, cispo, dro
+                    per_token = policy_loss(loss_fn, config, lp, f["logprobs"], f["advantages"])
                 losses.append(per_token)
             total = torch.stack([loss.sum() for loss in losses]).sum()
             if not forward_only:

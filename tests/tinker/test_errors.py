@@ -72,7 +72,8 @@ def test_sdk_with_wrong_key_fails_fast(server, tinker, monkeypatch):
     ("cross_entropy", {"target_tokens": [3, 4, 5], "weights": [1.0, float("nan"), 1.0]},
      "data[0].loss_fn_inputs.weights"),
     ("cross_entropy", {"target_tokens": [3, 4, 99999], "weights": [1.0] * 3}, "data[0].loss_fn_inputs.target_tokens"),
-    ("cispo", {"target_tokens": [3, 4, 5]}, "loss_fn"),
+    ("cispo", {"target_tokens": [3, 4, 5], "advantages": [1.0] * 3}, "data[0].loss_fn_inputs.logprobs"),
+    ("gspo", {"target_tokens": [3, 4, 5]}, "loss_fn"),
     ("stable_reinforce", {"target_tokens": [3, 4, 5]}, "loss_fn"),
 ])
 def test_bad_forward_backward_names_the_field(tinker, http, model_id, loss_fn, inputs, field):
