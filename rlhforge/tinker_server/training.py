@@ -14,7 +14,10 @@ every token of every datum, no normalisation):
 - ``cispo``: ``-sum(sg(clip(r, clip_low_threshold, clip_high_threshold)) * A * logp)`` (default 0.8 / 1.2),
   through :func:`rlhforge.algorithms.cispo_loss`;
 - ``dro``: ``-sum(A * logp - beta / 2 * (logp - logprobs)^2)`` (``beta`` default 0.05), through
-  :func:`rlhforge.algorithms.dro_loss` with the sampler's ``logprobs`` as its ``old_log_probs``.
+  :func:`rlhforge.algorithms.dro_loss` with the sampler's ``logprobs`` as its ``old_log_probs``;
+- ``gspo`` (GSPO-token): ``s = exp(mean over sequence_ratio_mask of (logp - logprobs))``, every token's ratio
+  ``r_t = sg(s) * exp(logp_t - sg(logp_t))``, then ``ppo``'s clipped objective on ``r_t`` over every token
+  (default 0.8 / 1.2), through ``ppo_loss`` with ``old_log_probs = sg(logp) - log s``.
 
 Others are refused (:data:`REFUSED_LOSSES`) with the reason.
 """
@@ -32,9 +35,8 @@ from rlhforge.tinker_server.codec import Datum, PayloadError
 
 __all__ = ["LoraSpec", "TrainedModel", "SUPPORTED_LOSSES", "REFUSED_LOSSES", "check_loss", "lora_targets"]
 
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 REFUSED_LOSSES = {
-    "gspo": "not implemented by rlhforge serve-tinker (use ppo, cispo or dro)",
     "stable_reinforce": "its formula and the stability records it reads are not public",
     "custom": "server-side custom losses (create_custom_loss graphs) are not supported; "
               "TrainingClient.forward_backward_custom runs the loss client-side and works",
@@ -43,11 +45,13 @@ LOSS_INPUTS = {"cross_entropy": ("target_tokens", "weights"),
                "importance_sampling": ("target_tokens", "logprobs", "advantages"),
                "ppo": ("target_tokens", "logprobs", "advantages"),
                "cispo": ("target_tokens", "logprobs", "advantages"),
-               "dro": ("target_tokens", "logprobs", "advantages")}
+               "dro": ("target_tokens", "logprobs", "advantages"),
+               "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask")}
 # loss_fn_config keys and their defaults (Tinker's names; the thresholds bound the ratio r itself)
 LOSS_CONFIG = {"ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
                "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-               "dro": {"beta": 0.05}}
+               "dro": {"beta": 0.05},
+               "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}}
 
 
 def check_loss(loss_fn: str, config: dict, data: list[Datum]) -> None:
@@ -62,9 +66,9 @@ def check_loss(loss_fn: str, config: dict, data: list[Datum]) -> None:
         if not isinstance(value, float) or not np.isfinite(value):
             raise PayloadError(f"loss_fn_config.{key}", f"must be a finite number (got {value!r})")
     params = loss_params(loss_fn, config)
-    if loss_fn in ("ppo", "cispo"):
+    if loss_fn in ("ppo", "cispo", "gspo"):
         lo = params["clip_low_threshold"]
-        if loss_fn == "ppo" and not 0 < lo <= 1:
+        if loss_fn != "cispo" and not 0 < lo <= 1:
             raise PayloadError("loss_fn_config.clip_low_threshold", f"must be in (0, 1] (got {lo})")
         if loss_fn == "cispo" and not 0 <= lo <= 1:  # CISPO's weight may be floored at 0: no lower clip
             raise PayloadError("loss_fn_config.clip_low_threshold", f"must be in [0, 1] (got {lo})")
@@ -87,6 +91,9 @@ def check_loss(loss_fn: str, config: dict, data: list[Datum]) -> None:
                                    f"shape {list(arr.shape)} must be [{d.tokens.shape[0]}] (the model_input length)")
             if name != "target_tokens" and not np.isfinite(arr).all():
                 raise PayloadError(f"data[{i}].loss_fn_inputs.{name}", "holds NaN or infinity")
+        if loss_fn == "gspo" and not (d.inputs["sequence_ratio_mask"] != 0).any():
+            raise PayloadError(f"data[{i}].loss_fn_inputs.sequence_ratio_mask",
+                               "marks no token (the sequence ratio is a mean over the marked tokens)")
 
 
 def loss_params(loss_fn: str, config: dict) -> dict[str, float]:
@@ -94,15 +101,20 @@ def loss_params(loss_fn: str, config: dict) -> dict[str, float]:
     return {key: float(config.get(key, default)) for key, default in LOSS_CONFIG.get(loss_fn, {}).items()}
 
 
-def policy_loss(loss_fn: str, config: dict, lp: torch.Tensor, q: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """Per-token loss [T] of the ratio losses (``ppo``, ``cispo``, ``dro``): ``lp`` the model's log-probs
-    (differentiable), ``q`` the sampler's, ``adv`` the advantages; thresholds bound ``r = exp(lp - q)``."""
+def policy_loss(loss_fn: str, config: dict, lp: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token loss [T] of the ratio losses (``ppo``, ``cispo``, ``dro``, ``gspo``): ``lp`` the model's
+    log-probs (differentiable), ``inputs`` the datum's float inputs (``logprobs`` the sampler's, ``advantages``,
+    gspo's ``sequence_ratio_mask``); the thresholds bound the ratio itself."""
     from rlhforge.algorithms import cispo_loss, dro_loss
     from rlhforge.algorithms.policy_losses import ppo_loss
 
     p = loss_params(loss_fn, config)
+    q, adv = inputs["logprobs"], inputs["advantages"]
+    if loss_fn == "gspo":  # old = sg(lp) - log s makes ppo_loss's ratio sg(s) * exp(lp - sg(lp))
+        in_ratio = inputs["sequence_ratio_mask"] != 0
+        q = lp.detach() - (lp.detach() - q)[in_ratio].mean()
     args = (lp[None], q[None], adv[None], torch.ones_like(lp[None]))
-    if loss_fn == "ppo":
+    if loss_fn in ("ppo", "gspo"):
         per_token, _ = ppo_loss(*args, eps_low=1.0 - p["clip_low_threshold"], eps_high=p["clip_high_threshold"] - 1.0)
     elif loss_fn == "cispo":
         per_token, _ = cispo_loss(*args, eps_low=1.0 - p["clip_low_threshold"],
@@ -218,8 +230,8 @@ class TrainedModel:
                     per_token = -f["weights"] * lp
                 elif loss_fn == "importance_sampling":
                     per_token = -torch.exp(lp - f["logprobs"]) * f["advantages"]
-                else:  # ppo, cispo, dro
-                    per_token = policy_loss(loss_fn, config, lp, f["logprobs"], f["advantages"])
+                else:  # ppo, cispo, dro, gspo
+                    per_token = policy_loss(loss_fn, config, lp, f)
                 losses.append(per_token)
             total = torch.stack([loss.sum() for loss in losses]).sum()
             if not forward_only:

@@ -73,7 +73,8 @@ def test_sdk_with_wrong_key_fails_fast(server, tinker, monkeypatch):
      "data[0].loss_fn_inputs.weights"),
     ("cross_entropy", {"target_tokens": [3, 4, 99999], "weights": [1.0] * 3}, "data[0].loss_fn_inputs.target_tokens"),
     ("cispo", {"target_tokens": [3, 4, 5], "advantages": [1.0] * 3}, "data[0].loss_fn_inputs.logprobs"),
-    ("gspo", {"target_tokens": [3, 4, 5]}, "loss_fn"),
+    ("gspo", {"target_tokens": [3, 4, 5], "logprobs": [-1.0] * 3, "advantages": [1.0] * 3},
+     "data[0].loss_fn_inputs.sequence_ratio_mask"),
     ("stable_reinforce", {"target_tokens": [3, 4, 5]}, "loss_fn"),
 ])
 def test_bad_forward_backward_names_the_field(tinker, http, model_id, loss_fn, inputs, field):

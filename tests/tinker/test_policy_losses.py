@@ -1,12 +1,14 @@
-"""``rlhforge serve-tinker``'s ``cispo`` and ``dro`` (issue 41 item 4): the gradient the server accumulates through
-the real SDK equals autograd of Tinker's documented formula, written out here, on an independent copy of the
+"""``rlhforge serve-tinker``'s ``cispo``, ``dro`` and ``gspo`` (issue 41 item 4): the gradient the server accumulates
+through the real SDK equals autograd of Tinker's documented formula, written out here, on an independent copy of the
 weights (plain HF forward + log_softmax); ``loss_fn_config`` keys are Tinker's, checked (400 naming the key).
 
 Tinker's formulas (tinker-docs "Loss functions"; ``logp`` the learner's log-probs of ``target_tokens``, ``q`` the
 sampler's ``logprobs``, ``A`` the ``advantages``, summed over tokens):
 
 - cispo: ``-sum(sg(clamp(exp(logp - q), clip_low_threshold, clip_high_threshold)) * logp * A)``;
-- dro:   ``-sum(logp * A - 0.5 * beta * (logp - q) ** 2)``.
+- dro:   ``-sum(logp * A - 0.5 * beta * (logp - q) ** 2)``;
+- gspo (GSPO-token): ``log_s = mean((sg(logp) - q)[sequence_ratio_mask != 0])``, ``r = exp(log_s + logp - sg(logp))``,
+  ``-sum(min(r * A, clamp(r, clip_low_threshold, clip_high_threshold) * A))`` over every token.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def tinker_dro(logp, q, adv, beta=0.05):
     return -(logp * adv - 0.5 * beta * (logp - q) ** 2)
 
 
+def tinker_gspo(logp, q, adv, mask, lo=0.8, hi=1.2):
+    log_ratio = (logp.detach() - q)[mask != 0].mean()
+    ratio = torch.exp(log_ratio + logp - logp.detach())
+    return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+
+
 @pytest.fixture(scope="module")
 def server(start_server):
     return start_server()
@@ -41,6 +49,8 @@ def server(start_server):
     ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
     ("dro", None),                                                      # beta 0.05
     ("dro", {"beta": 0.7}),
+    ("gspo", None),                                                     # 0.8 / 1.2
+    ("gspo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}),
 ])
 def test_gradient_matches_tinker_formula(tinker, server, service_client, tiny_model_dir, loss_fn, config):
     from peft import LoraConfig, get_peft_model
@@ -55,15 +65,20 @@ def test_gradient_matches_tinker_formula(tinker, server, service_client, tiny_mo
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
     # the sampler's log-probs: the model's own, moved by up to +-0.6 nats, so r = exp(logp - q) spans
-    # about [0.55, 1.8] and the CISPO clip binds on both sides
+    # about [0.55, 1.8] and the CISPO clip binds on both sides; for gspo the first sequence is shifted up
+    # and the second down by 0.5 nats (s ~ 1.65 and ~ 0.6: outside the thresholds), its ratio is taken
+    # over the tokens after the first three, and the advantages of those three are not 0 (they still count)
     now = tc.forward([datum(tinker, i) for i in ids], "cross_entropy").result()
     g = torch.Generator().manual_seed(1)
-    q, adv = [], []
-    for o in now.loss_fn_outputs:
+    q, adv, masks = [], [], []
+    for k, o in enumerate(now.loss_fn_outputs):
         lp = o["logprobs"].to_torch()
-        q.append((lp + (torch.rand(len(lp), generator=g) * 1.2 - 0.6)).tolist())
+        shift = (0.5 if k == 0 else -0.5) if loss_fn == "gspo" else 0.0
+        q.append((lp - shift + (torch.rand(len(lp), generator=g) * 1.2 - 0.6)).tolist())
         adv.append(torch.randn(len(lp), generator=g).tolist())
-    data = [datum(tinker, i, logprobs=qq, advantages=a) for i, qq, a in zip(ids, q, adv)]
+        masks.append([0.0] * 3 + [1.0] * (len(lp) - 3))
+    extra = [{"sequence_ratio_mask": m} if loss_fn == "gspo" else {} for m in masks]
+    data = [datum(tinker, i, logprobs=qq, advantages=a, **e) for i, qq, a, e in zip(ids, q, adv, extra)]
     out = tc.forward_backward(data, loss_fn, config).result()
 
     served = server.app.state.tinker.models[tc.model_id].trained.module
@@ -75,15 +90,20 @@ def test_gradient_matches_tinker_formula(tinker, server, service_client, tiny_mo
     ref = get_peft_model(base, LoraConfig(r=4, lora_alpha=32, target_modules=targets))
     ref.load_state_dict({n: p.detach() for n, p in served.named_parameters()}, strict=False)
     total, clipped = 0.0, 0
-    for k, (i, qq, a) in enumerate(zip(ids, q, adv)):
+    for k, (i, qq, a, mask) in enumerate(zip(ids, q, adv, masks)):
         logits = ref(input_ids=torch.tensor([i[:-1]])).logits[0]
         logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(i[1:])[:, None])[:, 0]
         qt, at = torch.tensor(qq), torch.tensor(a)
+        lo, hi = (config or {}).get("clip_low_threshold", 0.8), (config or {}).get("clip_high_threshold", 1.2)
         if loss_fn == "cispo":
-            lo, hi = (config or {}).get("clip_low_threshold", 0.8), (config or {}).get("clip_high_threshold", 1.2)
             per_token = tinker_cispo(logp, qt, at, lo, hi)
             r = torch.exp(logp.detach() - qt)
             clipped += int(((r < lo) | (r > hi)).sum())
+        elif loss_fn == "gspo":
+            mt = torch.tensor(mask)
+            per_token = tinker_gspo(logp, qt, at, mt, lo, hi)
+            s = torch.exp((logp.detach() - qt)[mt != 0].mean())
+            clipped += int((s < lo) | (s > hi))
         else:
             per_token = tinker_dro(logp, qt, at, (config or {}).get("beta", 0.05))
         torch.testing.assert_close(out.loss_fn_outputs[k]["elementwise_loss"].to_torch(), per_token.detach(),
@@ -91,7 +111,7 @@ def test_gradient_matches_tinker_formula(tinker, server, service_client, tiny_mo
         loss = per_token.sum()
         loss.backward()
         total += float(loss.detach())
-    if loss_fn == "cispo":
+    if loss_fn in ("cispo", "gspo"):
         assert clipped > 0  # the thresholds matter in this batch
     assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5, abs=1e-5)
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
@@ -117,12 +137,12 @@ def model_id(http):
     return fut["model_id"]
 
 
-def _post(tinker, http, model_id, loss_fn, config):
+def _post(tinker, http, model_id, loss_fn, config, **more):
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
     ids = [7, 11, 13, 17]
-    d = datum(tinker, ids, logprobs=[-1.0] * 3, advantages=[1.0, -1.0, 0.5])
+    d = datum(tinker, ids, logprobs=[-1.0] * 3, advantages=[1.0, -1.0, 0.5], **more)
     req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
         data=[d], loss_fn=loss_fn, loss_fn_config=config), model_id=model_id, seq_id=1000)
     body = forward_backward_request_to_proto(req).SerializeToString()
@@ -138,17 +158,29 @@ def _post(tinker, http, model_id, loss_fn, config):
     ("dro", {"beta": -0.01}, "loss_fn_config.beta"),
     ("dro", {"beta": float("inf")}, "loss_fn_config.beta"),
     ("dro", {"clip_low_threshold": 0.8}, "loss_fn_config.clip_low_threshold"),
+    ("gspo", {"clip_low_threshold": 0.0}, "loss_fn_config.clip_low_threshold"),
+    ("gspo", {"beta": 0.05}, "loss_fn_config.beta"),
 ])
 def test_bad_loss_fn_config_names_the_key(tinker, http, model_id, loss_fn, config, field):
-    r = _post(tinker, http, model_id, loss_fn, config)
+    more = {"sequence_ratio_mask": [1.0] * 3} if loss_fn == "gspo" else {}
+    r = _post(tinker, http, model_id, loss_fn, config, **more)
     assert r.status_code == 400, r.text
     assert r.json()["detail"].startswith(field + ":"), r.json()
 
 
-@pytest.mark.parametrize("loss_fn", ["not_a_loss", "gspo"])
+def test_gspo_mask_must_mark_a_token(tinker, http, model_id):
+    r = _post(tinker, http, model_id, "gspo", None, sequence_ratio_mask=[0.0] * 3)
+    assert r.status_code == 400 and r.json()["detail"].startswith(
+        "data[0].loss_fn_inputs.sequence_ratio_mask: marks no token"), r.text
+    r = _post(tinker, http, model_id, "gspo", None)
+    assert r.status_code == 400 and r.json()["detail"].startswith(
+        "data[0].loss_fn_inputs.sequence_ratio_mask: missing"), r.text
+
+
+@pytest.mark.parametrize("loss_fn", ["not_a_loss", "stable_reinforce"])
 def test_refused_loss_fn_names_the_allowed_ones(tinker, http, model_id, loss_fn):
     r = _post(tinker, http, model_id, loss_fn, None)
     assert r.status_code == 400, r.text
     detail = r.json()["detail"]
     assert detail.startswith(f"loss_fn: {loss_fn!r}: ")
-    assert detail.endswith("supported: cross_entropy, importance_sampling, ppo, cispo, dro"), detail
+    assert detail.endswith("supported: cross_entropy, importance_sampling, ppo, cispo, dro, gspo"), detail
