@@ -45,7 +45,7 @@ def mixed_lengths(n: int, seed: int, short: tuple[int, int], long: tuple[int, in
 
 
 def experience(lengths: list[int], vocab: int, seed: int):
-    from rlhforge.distributed.experience import ExperienceSample
+    from rlhforge.workers.experience import ExperienceSample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -72,7 +72,7 @@ class Counter:
 
 
 def measure(worker, samples, mode: str, budget: int, micro: int, repeats: int) -> dict:
-    from rlhforge.distributed.workers import PolicyLossSpec
+    from rlhforge.workers.actor import PolicyLossSpec
 
     worker.packed = mode != "fixed_padded"
     worker.train_tokens = worker.pass_tokens = budget if mode == "token_budget" else None
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     from rlhforge.config.parsing import from_dict
     from rlhforge.config.rl import RLConfig
     from rlhforge.data.balancing import count_micro_batches
-    from rlhforge.distributed.workers import ActorWorker
+    from rlhforge.workers.actor import ActorWorker
     from rlhforge.models.tiny import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec()

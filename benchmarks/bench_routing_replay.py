@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rlhforge.distributed.experience import ExperienceSample, collate_experience
+from rlhforge.workers.experience import ExperienceSample, collate_experience
 from rlhforge.models.forward import token_logprobs
 from rlhforge.models.routing import record_routing, replay_routing, routing_for_rows
 from rlhforge.models.tiny import TinyModelSpec, build_tiny_model

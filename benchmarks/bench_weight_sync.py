@@ -6,7 +6,7 @@
 GPU sync that is not CUDA IPC: actor rank 0's sender (:class:`rlhforge.backend.collective.SyncGroup`, in a
 spawned process, as the actor's Ray worker is) broadcasting a Llama-shaped state dict (random fp32 weights,
 transformers config on the meta device, ~1M to ~350M parameters) to the driver's
-:class:`rlhforge.distributed.weight_sync.DriverReceiver` in this process, over a two-member gloo group on
+:class:`rlhforge.workers.weight_sync.DriverReceiver` in this process, over a two-member gloo group on
 loopback. One sync = ``send`` on the sender + a barrier after the receiver has unpacked every tensor; the
 time is the sender's (median of the repeats). Modes: buckets of 1, 16 and 128 MiB (128 = the
 ``--vllm.sync_bucket_mb`` default) and ``per_param`` (a 1-byte bucket: each tensor is its own bucket, what
@@ -115,7 +115,7 @@ def bench_gloo(name: str, spec: dict, buckets_mb: list[float], reps: int) -> dic
     import multiprocessing as mp
 
     from rlhforge.backend.collective import free_port, plan_buckets
-    from rlhforge.distributed.weight_sync import DriverReceiver
+    from rlhforge.workers.weight_sync import DriverReceiver
 
     state = llama_state(spec)  # shapes only matter here (the receiver checks them)
     layout = [(k, v.dtype, tuple(v.shape)) for k, v in state.items()]

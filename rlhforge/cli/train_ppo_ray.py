@@ -112,7 +112,8 @@ def build_trainer(cfg: RLConfig):
     from rlhforge.trainers.rl import RLTrainer
     from rlhforge.trainers.rl_data import load_prompts
     from rlhforge.config.rl_rules import uses_ray
-    from rlhforge.distributed.workers import ActorWorker, CriticWorker, InProcessGroup, RefWorker
+    from rlhforge.distributed.groups import InProcessGroup
+    from rlhforge.workers.actor import ActorWorker, CriticWorker, RefWorker
     from rlhforge.tracking.metrics import MetricsLogger
     from rlhforge.backend.device import dist_info, resolve_device, resolve_dtype
     from rlhforge.config.paths import model_paths
@@ -189,7 +190,7 @@ def build_trainer(cfg: RLConfig):
         strategy_name = f"{type(actor_w.strategy).__name__} on {device}"
     reward_source = None
     if ray_mode and reward_group is not None:  # reward model(s) in their Ray group, rewards summed in the driver
-        from rlhforge.distributed.reward_worker import RewardGroupScorer
+        from rlhforge.workers.reward import RewardGroupScorer
         from rlhforge.rewards.sources import RewardModelSource, reward_model_paths
 
         reward_source = RewardModelSource(RewardGroupScorer(reward_group),

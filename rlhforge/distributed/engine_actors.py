@@ -12,7 +12,7 @@ Each engine is one Ray actor (:class:`EngineHost`) that owns one vLLM engine on 
   engine worker over a dedicated group (:mod:`rlhforge.backend.collective`; gloo on CPU engines,
   ``--vllm.sync_backend`` on GPU engines); GPU engines that share the actor's GPUs
   (``--train.colocate_all``) get CUDA IPC handles from the rank on their GPU instead
-  (:mod:`rlhforge.distributed.ipc_sync`); with ``--vllm.sync_with_ray``, rank 0's state dict goes
+  (:mod:`rlhforge.workers.ipc_sync`); with ``--vllm.sync_with_ray``, rank 0's state dict goes
   through Ray's object store straight into the engines' calls. Nothing passes through the driver's
   memory in any of them.
 - **faults**: an engine whose actor died, or whose call did not answer within
@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from rlhforge.distributed.groups import WorkerError
-from rlhforge.distributed.ipc_sync import cause_line, engine_fault
+from rlhforge.workers.ipc_sync import cause_line, engine_fault
 from rlhforge.distributed.ray_group import bundle_index
 from rlhforge.rollout.engine import GenerationOutput, params_per_prompt
 from rlhforge.rollout.vllm_engine import EngineRouter, vllm_dtype

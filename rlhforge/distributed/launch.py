@@ -167,7 +167,7 @@ def build_ray_groups(cfg, tokenizer, plan, start_engines=None):
     models (:func:`~rlhforge.distributed.plan_report.check_colocated_engines`).
 
     Returns ``(actor, ref, critic, placement, reward, engine)``; ref/critic/reward/engine are None when
-    the run has none (``reward``: the reward-model group, :mod:`rlhforge.distributed.reward_worker`)."""
+    the run has none (``reward``: the reward-model group, :mod:`rlhforge.workers.reward`)."""
     from rlhforge.distributed.placement import plan_from_config
     from rlhforge.distributed.ray_group import create_placement_groups
 
@@ -197,8 +197,8 @@ def build_ray_groups(cfg, tokenizer, plan, start_engines=None):
 def _start_groups(cfg, tokenizer, plan, placement, pgs, device):
     """The model groups on their bundles, all loading at the same time: ``(actor, ref, critic, reward)``."""
     from rlhforge.distributed.ray_group import RayWorkerGroup
-    from rlhforge.distributed.reward_worker import RewardWorker
-    from rlhforge.distributed.workers import ActorWorker, CriticWorker, RefWorker
+    from rlhforge.workers.reward import RewardWorker
+    from rlhforge.workers.actor import ActorWorker, CriticWorker, RefWorker
 
     sizes = {name: g.num_workers for name, g in placement.groups.items()}
     env = {"RLHFORGE_RAY_WORKER": "1", COLLECTIVE_TIMEOUT_ENV: str(cfg.deadline.collective_s),

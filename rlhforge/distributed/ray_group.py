@@ -3,7 +3,7 @@
 :class:`RayWorkerGroup` starts ``num_workers`` actors (:class:`WorkerHost`) on the bundles of a
 placement group, gives them ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (rank 0 picks
 the address on its own node), and builds the same worker class the in-process path uses
-(:class:`~rlhforge.distributed.workers.ActorWorker` ...) inside each one. The worker's strategy then
+(:class:`~rlhforge.workers.actor.ActorWorker` ...) inside each one. The worker's strategy then
 opens the model's process group itself (gloo on CPU, nccl on GPU; DeepSpeed's ``init_distributed``
 or ``torch.distributed``), so DeepSpeed ZeRO runs inside the actors exactly as under torchrun.
 
@@ -314,7 +314,7 @@ class RayWorkerGroup:
 
     def open_weight_channel(self, bucket_mb: int) -> None:
         """A dedicated two-member gloo group, rank 0 -> the driver, for :meth:`gather_weights`."""
-        from rlhforge.distributed.weight_sync import DriverReceiver
+        from rlhforge.workers.weight_sync import DriverReceiver
 
         host, port = self.rank0_address()
         receiver = DriverReceiver(host, port)

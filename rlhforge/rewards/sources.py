@@ -22,7 +22,7 @@ reward model. :func:`build_reward_source` picks one from ``--reward.remote_url``
 
 ``--reward.model_name_or_path a[,b,...]`` (without ``--reward.remote_url``): one or more reward
 models scoring the token ids, their rewards summed (:class:`RewardModelSource`); in this process,
-or, with Ray workers, in a Ray reward group (:mod:`rlhforge.distributed.reward_worker`).
+or, with Ray workers, in a Ray reward group (:mod:`rlhforge.workers.reward`).
 """
 
 from __future__ import annotations

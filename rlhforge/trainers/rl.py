@@ -7,7 +7,7 @@ The algorithm is a choice, not a separate trainer: ``--algo.advantage.estimator`
 critic; reinforce, reinforce_baseline, rloo, group_norm = GRPO, dr_grpo, flash_reinforce without
 one) and ``--actor.policy_loss_type`` (ppo, gspo, cispo, sapo, dppo, dro, gmpo, clip_cov, kl_cov). Per-model work lives in worker groups
 (:mod:`rlhforge.distributed`: in this process, or Ray actor groups of data-parallel ranks; workers in
-:mod:`rlhforge.distributed.workers`); generation behind a ``GenerationEngine``; rollouts come from
+:mod:`rlhforge.workers.actor`); generation behind a ``GenerationEngine``; rollouts come from
 an agent executor as token-level :class:`~rlhforge.agents.types.Trajectory` objects, generated when
 a step asks (sync) or ahead of it by at most ``train.async_queue_size`` weight versions
 (``--train.async_enable``, :mod:`rlhforge.distributed.rollout_queue`).
@@ -43,11 +43,11 @@ from rlhforge.config.rl_workers import uses_ray
 from rlhforge.config.batching import RLBatchPlan
 from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
 from rlhforge.rollout.engine import SamplingParams
-from rlhforge.distributed.experience import ExperienceSample
+from rlhforge.workers.experience import ExperienceSample
 from rlhforge.trainers.rl_ckpt import RLCheckpointing, RLState, rl_guard
 from rlhforge.trainers.rl_data import GroupBuffer, PromptStream, eval_metrics, gather_groups, version_lag
 from rlhforge.trainers.rl_experience import RLExperience
-from rlhforge.distributed.workers import PolicyLossSpec
+from rlhforge.workers.actor import PolicyLossSpec
 from rlhforge.tracking.progress import Progress, progress_enabled
 
 __all__ = ["RLTrainer", "RLState", "request_seed"]

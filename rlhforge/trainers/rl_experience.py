@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from rlhforge.algorithms import compute_advantages, compute_kl, is_correction, overlong_penalty, stop_properly_penalty
-from rlhforge.distributed.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
+from rlhforge.workers.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
 from rlhforge.trainers.rl_data import check_tokens
 
 __all__ = ["RLExperience"]

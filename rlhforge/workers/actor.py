@@ -13,11 +13,11 @@ inside N Ray actors, one data-parallel rank each. Workers:
 - :class:`ActorWorker`: the policy (strategy, optimizer, scheduler); log-probs, PPO/GSPO updates,
   full state dict for weight sync and export.
 - :class:`RefWorker`: a frozen copy of the initial policy; log-probs.
-- :class:`CriticWorker` (:mod:`rlhforge.distributed.critic_worker`, re-exported here): a value model
+- :class:`CriticWorker` (:mod:`rlhforge.workers.critic`, re-exported here): a value model
   (sequence classifier with one label, read per token); values and clipped value-loss updates.
 
 What they share (checkpoint state, export, sleep, metric reduction) is in
-:mod:`rlhforge.distributed.worker_base`.
+:mod:`rlhforge.workers.base`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from rlhforge.algorithms.kl import kl_loss_unbiased_gradient
 from rlhforge.backend.device import seed_everything
 from rlhforge.backend.step import StepNormaliser, run_no_grad, run_step, step_normaliser
 from rlhforge.config.batching import RLBatchPlan
-from rlhforge.distributed.critic_worker import CriticWorker, token_values
-from rlhforge.distributed.experience import ExperienceSample, collate_experience
-from rlhforge.distributed.groups import InProcessGroup
-from rlhforge.distributed.micro_batches import micro_batch_groups, packed_as_rows
-from rlhforge.distributed.worker_base import (
+from rlhforge.workers.critic import CriticWorker, token_values
+from rlhforge.workers.experience import ExperienceSample, collate_experience
+from rlhforge.workers.micro_batches import micro_batch_groups, packed_as_rows
+from rlhforge.workers.base import (
     TrainableWorker,
     per_sample,
     reduce_step_metrics,
@@ -46,7 +45,7 @@ from rlhforge.distributed.worker_base import (
 )
 from rlhforge.models.forward import token_logprobs
 
-__all__ = ["InProcessGroup", "ActorWorker", "RefWorker", "CriticWorker", "token_values", "PolicyLossSpec",
+__all__ = ["ActorWorker", "RefWorker", "CriticWorker", "token_values", "PolicyLossSpec",
            "reduce_step_metrics"]
 
 
@@ -247,7 +246,7 @@ class ActorWorker(TrainableWorker):
         self._sent_fingerprint = state_fingerprint(state) if state is not None else None
         return state
 
-    # -- weight sync over a dedicated group (Ray workers; rlhforge.distributed.weight_sync) --------
+    # -- weight sync over a dedicated group (Ray workers; rlhforge.workers.weight_sync) --------
     def open_weight_channel(self, host: str, port: int, world_size: int, bucket_bytes: int,
                             backend: str = "gloo", timeout_s: float = 1800.0) -> None:
         """Rank 0 only: host a new sync group (the previous one, if any, is dropped) and join it as sender."""
@@ -299,14 +298,14 @@ class ActorWorker(TrainableWorker):
 
     def set_ipc_targets(self, targets: list) -> None:
         """Rank 0: the colocated engines of a CUDA-IPC sync, ``[(engine index, engine actor)]`` (each engine
-        worker picks the handle made on its own GPU, by UUID: rlhforge.distributed.ipc_sync)."""
+        worker picks the handle made on its own GPU, by UUID: rlhforge.workers.ipc_sync)."""
         self._ipc_targets = targets
 
     def send_weights_ipc(self, bucket_bytes: int, fingerprint: bool = False, timeout_s: float = 300.0) -> dict:
         """All ranks: the weights by CUDA IPC to the engines on their GPUs, from this rank's own device
-        (rlhforge.distributed.ipc_sync); ``{"buckets", "failed": {engine index: cause}}`` (rank 0)."""
+        (rlhforge.workers.ipc_sync); ``{"buckets", "failed": {engine index: cause}}`` (rank 0)."""
         from rlhforge.backend.device import dist_info
-        from rlhforge.distributed.ipc_sync import stream_ipc
+        from rlhforge.workers.ipc_sync import stream_ipc
 
         return stream_ipc(self._engine_weights(), getattr(self, "_ipc_targets", None), bucket_bytes,
                           rank=dist_info().rank, world_size=self.strategy.world_size, device=self.device,
@@ -334,7 +333,7 @@ class RefWorker:
         from rlhforge.backend.device import dist_info, resolve_device
         from rlhforge.backend.frozen import FrozenModel
         from rlhforge.config.components import LoraConfig
-        from rlhforge.distributed.reward_worker import actor_strategy_kind
+        from rlhforge.workers.reward import actor_strategy_kind
         from rlhforge.models.vlm import image_token_of, load_policy
 
         device = device if device is not None else resolve_device(cfg.train.device, dist_info().local_rank)

@@ -1,4 +1,4 @@
-"""What the RL workers share (:mod:`rlhforge.distributed.workers`, :mod:`rlhforge.distributed.critic_worker`):
+"""What the RL workers share (:mod:`rlhforge.workers.actor`, :mod:`rlhforge.workers.critic`):
 checkpoint state, export, memory and sleep of a trainable model, moving batches, per-sample results,
 the per-step plan a strategy is built with, and the reduction of step metrics over ranks."""
 
@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from rlhforge.algorithms import entropy_from_logits
-from rlhforge.distributed.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
+from rlhforge.workers.experience import ExperienceSample, collate_experience, split_packed, unpad_rows
 from rlhforge.models.forward import is_packed
 
 __all__ = ["TrainableWorker", "to_device", "per_sample", "shifted_entropy", "scatter", "reduce_step_metrics"]

@@ -1,5 +1,5 @@
 """The critic's worker: a value model (sequence classifier with one label, read per token); values
-and clipped value-loss updates (:mod:`rlhforge.distributed.workers` has the actor and the reference)."""
+and clipped value-loss updates (:mod:`rlhforge.workers.actor` has the actor and the reference)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from rlhforge.algorithms import value_loss
 from rlhforge.backend.device import seed_everything
 from rlhforge.backend.step import StepNormaliser, run_no_grad, run_step, step_normaliser
 from rlhforge.config.batching import RLBatchPlan
-from rlhforge.distributed.micro_batches import micro_batch_groups
-from rlhforge.distributed.worker_base import TrainableWorker, per_sample, reduce_step_metrics, scatter
+from rlhforge.workers.micro_batches import micro_batch_groups
+from rlhforge.workers.base import TrainableWorker, per_sample, reduce_step_metrics, scatter
 from rlhforge.models.forward import is_packed
 
 __all__ = ["CriticWorker", "token_values"]

@@ -22,7 +22,7 @@ def main():
     from rlhforge.backend.collective import Fingerprint, state_fingerprint, stream_buckets
     from rlhforge.config.parsing import from_dict
     from rlhforge.config.rl import RLConfig
-    from rlhforge.distributed.workers import ActorWorker
+    from rlhforge.workers.actor import ActorWorker
     from tests.rl.helpers import worker_plan
 
     torch.set_num_threads(1)

@@ -165,7 +165,7 @@ def test_ipc_sync_restarts_dead_or_hung_engines_and_raises_the_rest(gpu2_cluster
     """A dead or hung engine is a fault (restart); a deterministic error is raised (no restart loop)."""
     import ray
 
-    from rlhforge.distributed.ipc_sync import IPCSyncError, collect_engine_results
+    from rlhforge.workers.ipc_sync import IPCSyncError, collect_engine_results
 
     remote = ray.remote(num_cpus=0, max_restarts=0)(_Engine)
     engines = {i: remote.remote(m) for i, m in enumerate(["ok", "error", "die", "hang"])}

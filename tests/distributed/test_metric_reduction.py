@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from rlhforge.algorithms import entropy_from_logits
-from rlhforge.distributed.experience import ExperienceSample
-from rlhforge.distributed.workers import ActorWorker, CriticWorker, PolicyLossSpec, reduce_step_metrics
+from rlhforge.workers.experience import ExperienceSample
+from rlhforge.workers.actor import ActorWorker, CriticWorker, PolicyLossSpec, reduce_step_metrics
 
 
 class _Collective:

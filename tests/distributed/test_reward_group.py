@@ -44,7 +44,7 @@ def test_reward_group_zero3_scores_and_sums_like_the_driver(ray_cluster, tiny_mo
     import asyncio
 
     from rlhforge.distributed.launch import close_groups
-    from rlhforge.distributed.reward_worker import RewardGroupScorer, RewardWorker
+    from rlhforge.workers.reward import RewardGroupScorer, RewardWorker
     from rlhforge.models.loading import load_tokenizer
     from rlhforge.rewards.base import RewardBatch
     from rlhforge.rewards.sources import RewardModelSource, RewardModels, reward_model_paths
@@ -89,9 +89,9 @@ def test_reward_group_zero3_scores_and_sums_like_the_driver(ray_cluster, tiny_mo
 def test_sharded_ref_logprobs_equal_the_unsharded_ref(ray_cluster, tiny_model_dir, tmp_path):
     """The reference under ZeRO-3 over 2 Ray ranks (and with --ref.offload) equals the one-process reference
     to 1e-6."""
-    from rlhforge.distributed.experience import ExperienceSample
+    from rlhforge.workers.experience import ExperienceSample
     from rlhforge.distributed.launch import close_groups
-    from rlhforge.distributed.workers import RefWorker
+    from rlhforge.workers.actor import RefWorker
     from rlhforge.models.loading import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))

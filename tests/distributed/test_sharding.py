@@ -5,7 +5,7 @@ import pytest
 from rlhforge.config.parsing import ConfigError
 from rlhforge.distributed.groups import InProcessGroup, balanced_shards, pad_shards, zero_weight_copy
 from rlhforge.distributed.placement import check_resources, plan_placement
-from rlhforge.distributed.experience import ExperienceSample
+from rlhforge.workers.experience import ExperienceSample
 
 
 def test_balanced_shards_by_hand():

@@ -35,7 +35,7 @@ def _layout(state) -> list:
 def _gloo_sync(state, bucket_bytes, monkeypatch) -> tuple[dict, dict, int]:
     """One sync over a two-member gloo group, sender SyncGroup (rank 0) -> DriverReceiver (rank 1), each in its
     own thread. Returns ({member: [bytes of each broadcast]}, what the receiver got, what send() returned)."""
-    from rlhforge.distributed.weight_sync import DriverReceiver
+    from rlhforge.workers.weight_sync import DriverReceiver
 
     sizes: dict[str, list[int]] = {"sender": [], "receiver": []}
     real = collective._broadcast

@@ -4,7 +4,7 @@ and so do their gradients."""
 import torch
 
 from rlhforge.data.packing import collate_packed, collate_padded
-from rlhforge.distributed.workers import token_values
+from rlhforge.workers.actor import token_values
 from tests.model_helpers import tiny_reward_model
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from rlhforge.distributed.experience import ExperienceSample, collate_experience
+from rlhforge.workers.experience import ExperienceSample, collate_experience
 from rlhforge.models.forward import token_logprobs
 from rlhforge.models.routing import check_replayable, record_routing, replay_routing, routers
 from rlhforge.rollout.engine import SamplingParams

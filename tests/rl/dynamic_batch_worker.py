@@ -17,7 +17,7 @@ LENGTHS = [60, 6, 55, 8, 50, 10, 12, 7]
 
 def experience_samples(lengths=LENGTHS, seed: int = 0):
     """Mixed-length experience with noisy old/ref log-probs and advantages (the same on every rank)."""
-    from rlhforge.distributed.experience import ExperienceSample
+    from rlhforge.workers.experience import ExperienceSample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -55,7 +55,7 @@ def main():
 
     from rlhforge.config.parsing import from_dict
     from rlhforge.config.rl import RLConfig
-    from rlhforge.distributed.workers import ActorWorker, PolicyLossSpec
+    from rlhforge.workers.actor import ActorWorker, PolicyLossSpec
     from tests.rl.helpers import worker_plan
 
     torch.set_num_threads(1)

@@ -19,7 +19,7 @@ def main():
 
     from rlhforge.config.parsing import from_dict
     from rlhforge.config.rl import RLConfig
-    from rlhforge.distributed.workers import ActorWorker, PolicyLossSpec
+    from rlhforge.workers.actor import ActorWorker, PolicyLossSpec
     from tests.rl.dynamic_batch_worker import experience_samples
     from tests.rl.helpers import worker_plan
 

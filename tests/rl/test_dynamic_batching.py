@@ -16,7 +16,7 @@ import torch
 
 from rlhforge.config.parsing import from_dict
 from rlhforge.config.rl import RLConfig
-from rlhforge.distributed.workers import ActorWorker, CriticWorker, PolicyLossSpec
+from rlhforge.workers.actor import ActorWorker, CriticWorker, PolicyLossSpec
 
 from tests.rl.dynamic_batch_worker import LENGTHS, experience_samples as _samples
 from tests.rl.helpers import worker_plan

@@ -5,7 +5,7 @@ old-log-prob pass is skipped. The run equals the one that makes the pass, and th
 import pytest
 
 from rlhforge.cli.train_ppo_ray import main
-from rlhforge.distributed.workers import ActorWorker
+from rlhforge.workers.actor import ActorWorker
 from rlhforge.trainers.rl import RLTrainer
 from tests.rl.helpers import per_step, rl_args, write_reward
 

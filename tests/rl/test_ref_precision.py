@@ -36,8 +36,8 @@ def test_kl_to_the_reference_is_exactly_zero_at_step_1_in_bf16(tiny_model_dir, t
 def test_a_full_precision_reference_would_not_give_zero(tiny_model_dir, tmp_path):
     """The control: the same reference without the actor's bf16 autocast differs from it (the old
     behaviour: KL was not 0 at step 0)."""
-    from rlhforge.distributed.experience import ExperienceSample
-    from rlhforge.distributed.workers import RefWorker
+    from rlhforge.workers.experience import ExperienceSample
+    from rlhforge.workers.actor import RefWorker
     from rlhforge.models.loading import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
@@ -49,8 +49,8 @@ def test_a_full_precision_reference_would_not_give_zero(tiny_model_dir, tmp_path
 
 
 def test_ref_offload_leaves_the_logprobs_unchanged(tiny_model_dir, tmp_path):
-    from rlhforge.distributed.experience import ExperienceSample
-    from rlhforge.distributed.workers import RefWorker
+    from rlhforge.workers.experience import ExperienceSample
+    from rlhforge.workers.actor import RefWorker
     from rlhforge.models.loading import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
@@ -67,8 +67,8 @@ def test_ref_offload_leaves_the_logprobs_unchanged(tiny_model_dir, tmp_path):
 
 @pytest.mark.gpu
 def test_ref_offload_keeps_the_weights_in_host_memory_between_uses(tiny_model_dir, tmp_path):
-    from rlhforge.distributed.experience import ExperienceSample
-    from rlhforge.distributed.workers import RefWorker
+    from rlhforge.workers.experience import ExperienceSample
+    from rlhforge.workers.actor import RefWorker
     from rlhforge.models.loading import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
