@@ -11,7 +11,7 @@ pinned host memory and come back before the next update.
   Never ``lp_params``: DeepSpeed's default (everything) also moves the training-dtype parameters, which
   ZeRO-3 gathers for the weight sync and generation (a crash at the first sync), nor ``lp_grads``.
   The trainer offloads once right after start-up (the engines wake into the room it leaves) and then
-  around every update (trainers/rl.py).
+  around every update (trainers/rl/loop.py).
 - Plain torch: every optimizer state tensor is moved to CPU and back.
 - On a CPU device there is nowhere to offload to: both calls report ``{"moved_bytes": 0}``.
   The GPU paths are tested where a GPU is available (``tests/rl/test_sleep.py``, marked ``gpu``).

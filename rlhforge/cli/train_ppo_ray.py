@@ -110,7 +110,7 @@ def build_trainer(cfg: RLConfig):
     from rlhforge.rollout.hf_engine import HFEngine
     from rlhforge.trainers.common import seed_everything
     from rlhforge.trainers.rl import RLTrainer
-    from rlhforge.trainers.rl_data import load_prompts
+    from rlhforge.trainers.rl.prompts import load_prompts
     from rlhforge.config.rl_rules import uses_ray
     from rlhforge.distributed.groups import InProcessGroup
     from rlhforge.workers.actor import ActorWorker, CriticWorker, RefWorker

@@ -89,7 +89,7 @@ def test_every_model_group_releases_cached_memory_before_a_sync_wakes_the_engine
     models' caching allocators, so every model group first hands its cached blocks back, before ``sync_from``
     (engine actors) or ``update_weights`` (in-driver engines). Call order only (CPU: nothing to release)."""
     from rlhforge.trainers.rl import RLTrainer
-    from rlhforge.trainers.rl_ckpt import RLState
+    from rlhforge.trainers.rl.checkpoints import RLState
 
     calls = []
 

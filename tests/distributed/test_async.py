@@ -6,7 +6,7 @@ import time
 import pytest
 
 from rlhforge.cli.train_ppo_ray import main
-from rlhforge.distributed.rollout_queue import AsyncRollouts, SyncRollouts
+from rlhforge.trainers.rl.rollouts import AsyncRollouts, SyncRollouts
 from tests.rl.helpers import metrics, per_step, rl_args, write_reward
 
 

@@ -28,7 +28,7 @@ def test_engines_start_before_the_models_load(ray_cluster, tiny_model_dir, tmp_p
     from rlhforge.distributed.engine_actors import build_engine_actors
     from rlhforge.distributed.launch import build_ray_groups, close_groups
     from rlhforge.models.loading import load_tokenizer
-    from rlhforge.trainers.rl_data import load_prompts
+    from rlhforge.trainers.rl.prompts import load_prompts
 
     cfg = parse_rl_args(rl_args(tiny_model_dir, tmp_path / "run", "--train.workers", "ray", "--train.colocate_all",
                                 "--vllm.num_engines", "1", "--ds.strategy", "torch"))

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from rlhforge.cli.train_ppo_ray import main as rl_main
-from rlhforge.trainers.rl_data import GroupBuffer, PromptStream, gather_groups
+from rlhforge.trainers.rl.prompts import GroupBuffer, PromptStream, gather_groups
 from tests.rl.helpers import per_step, rl_args
 
 
@@ -107,7 +107,7 @@ def _expected(cfg_out, steps):
     """The same accounting recomputed with the pure gatherer over the run's own prompt order and labels."""
     from rlhforge.cli.train_ppo_ray import parse_rl_args
     from rlhforge.models.loading import load_tokenizer
-    from rlhforge.trainers.rl_data import load_prompts
+    from rlhforge.trainers.rl.prompts import load_prompts
 
     cfg = parse_rl_args(cfg_out)
     prompts, _ = load_prompts(cfg, load_tokenizer(cfg.actor.model_name_or_path))

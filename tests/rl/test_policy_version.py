@@ -25,7 +25,7 @@ def test_buffered_groups_report_their_own_version(tiny_model_dir, tmp_path):
 
 def test_a_trajectory_without_a_version_is_left_out():
     from rlhforge.agents.types import Trajectory
-    from rlhforge.trainers.rl_data import version_lag
+    from rlhforge.trainers.rl.metrics import version_lag
 
     def traj(v):
         return Trajectory([1, 2], 1, [(1, 2)], [0.0], "stop", policy_version=v, policy_version_end=v)

@@ -12,7 +12,7 @@ import torch
 
 from rlhforge.agents.types import Trajectory
 from rlhforge.cli.train_ppo_ray import parse_rl_args
-from rlhforge.distributed.rollout_queue import RolloutBatch
+from rlhforge.trainers.rl.rollouts import RolloutBatch
 from rlhforge.trainers.rl import RLTrainer
 
 LN = math.log

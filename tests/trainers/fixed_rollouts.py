@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from rlhforge.agents.types import Trajectory
-from rlhforge.distributed.rollout_queue import RolloutBatch
+from rlhforge.trainers.rl.rollouts import RolloutBatch
 
 N = 4
 """Samples per prompt: 2 prompts x 4 = 8 trajectories (``--rollout.batch_size 2 --rollout.n_samples_per_prompt 4``)."""

@@ -19,7 +19,7 @@ The batch trained at step ``k`` was generated with version ``v_k``; its **stalen
 
 ``produce() -> (trajs, metrics, stream_position[, carry])`` is the trainer's own rollout function;
 ``carry`` (optional) is the stream positions of prompt groups generated but kept for later steps
-(oversampling, :class:`~rlhforge.trainers.rl_data.GroupBuffer`), recorded per batch so that a
+(oversampling, :class:`~rlhforge.trainers.rl.prompts.GroupBuffer`), recorded per batch so that a
 checkpoint taken after batch ``k`` names exactly the groups still buffered after it (the async
 generator may already be further on).
 An exception in the generator thread is raised again from :meth:`AsyncRollouts.next`.

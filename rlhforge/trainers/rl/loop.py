@@ -10,7 +10,7 @@ one) and ``--actor.policy_loss_type`` (ppo, gspo, cispo, sapo, dppo, dro, gmpo, 
 :mod:`rlhforge.workers.actor`); generation behind a ``GenerationEngine``; rollouts come from
 an agent executor as token-level :class:`~rlhforge.agents.types.Trajectory` objects, generated when
 a step asks (sync) or ahead of it by at most ``train.async_queue_size`` weight versions
-(``--train.async_enable``, :mod:`rlhforge.distributed.rollout_queue`).
+(``--train.async_enable``, :mod:`rlhforge.trainers.rl.rollouts`).
 
 One RL *step* = one rollout of ``rollout.batch_size`` prompts x ``n_samples_per_prompt`` samples,
 then ``train.max_epochs`` passes over it in optimizer steps of ``train.batch_size`` samples.
@@ -41,12 +41,13 @@ from rlhforge.backend.sync_probe import (PROBE_FALLBACK_TEXT, check_probe, compa
 from rlhforge.config.rl_losses import policy_loss_setup
 from rlhforge.config.rl_workers import uses_ray
 from rlhforge.config.batching import RLBatchPlan
-from rlhforge.distributed.rollout_queue import AsyncRollouts, RolloutBatch, SyncRollouts
+from rlhforge.trainers.rl.rollouts import AsyncRollouts, RolloutBatch, SyncRollouts
 from rlhforge.rollout.engine import SamplingParams
 from rlhforge.workers.experience import ExperienceSample
-from rlhforge.trainers.rl_ckpt import RLCheckpointing, RLState, rl_guard
-from rlhforge.trainers.rl_data import GroupBuffer, PromptStream, eval_metrics, gather_groups, version_lag
-from rlhforge.trainers.rl_experience import RLExperience
+from rlhforge.trainers.rl.checkpoints import RLCheckpointing, RLState, rl_guard
+from rlhforge.trainers.rl.prompts import GroupBuffer, PromptStream, gather_groups
+from rlhforge.trainers.rl.metrics import eval_metrics, version_lag
+from rlhforge.trainers.rl.experience import RLExperience
 from rlhforge.workers.actor import PolicyLossSpec
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -74,7 +75,7 @@ def _std(xs) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-class RLTrainer(RLCheckpointing, RLExperience):  # rl_ckpt.py: checkpoints, resume, faults; rl_experience.py
+class RLTrainer(RLCheckpointing, RLExperience):  # checkpoints.py: checkpoints, resume, faults; experience.py
     def __init__(self, cfg, tokenizer, prompts, eval_prompts, plan: RLBatchPlan, *, actor, ref, critic, engine,
                  reward_source, logger, run_dir: Path, executor=None):
         self.cfg, self.tokenizer, self.plan = cfg, tokenizer, plan
@@ -277,7 +278,7 @@ class RLTrainer(RLCheckpointing, RLExperience):  # rl_ckpt.py: checkpoints, resu
             lo, hi = cfg.algo.dynamic_filtering_range
             return bool(dynamic_filter(torch.tensor([t.score for t in group]), n, lo, hi)[0])
 
-        self._wake_engine()  # oversampling buffer and its resume accounting: trainers/rl_data.py
+        self._wake_engine()  # oversampling buffer and its resume accounting: trainers/rl/prompts.py
         got = gather_groups(self.stream, self.rollout_buffer, need=need, round_size=cfg.rollout.vllm_generate_batch_size,
                             generate=generate, accept=accept if cfg.algo.dynamic_filtering_enable else None,
                             max_refills=cfg.algo.max_filter_refills)
@@ -318,7 +319,7 @@ class RLTrainer(RLCheckpointing, RLExperience):  # rl_ckpt.py: checkpoints, resu
         return trajs, metrics, self.stream.position, self.rollout_buffer.positions()
 
     # ------------------------------------------------------------------------------------ experience
-    # shaped_rewards, make_experience: RLExperience (trainers/rl_experience.py)
+    # shaped_rewards, make_experience: RLExperience (trainers/rl/experience.py)
 
     # ------------------------------------------------------------------------------------ update
     def train(self, samples: list[ExperienceSample]) -> dict[str, float]:

@@ -29,7 +29,7 @@ class RLState:
     best_metric: float | None = None
     best_step: int | None = None
     buffered_positions: list = field(default_factory=list)
-    """Stream positions of prompt groups generated but not trained yet (oversampling; rl_data.GroupBuffer)."""
+    """Stream positions of prompt groups generated but not trained yet (oversampling; prompts.GroupBuffer)."""
 
     def as_dict(self) -> dict:
         return {"global_step": self.global_step, "prompt_position": self.prompt_position,
@@ -84,7 +84,7 @@ class RLCheckpointing:
         if self.state.kl_controller:
             self.kl_ctl.load_state_dict(self.state.kl_controller)
         self.stream.position = self.state.prompt_position
-        self.rollout_buffer.pending = list(self.state.buffered_positions)  # generated again first (rl_data.py)
+        self.rollout_buffer.pending = list(self.state.buffered_positions)  # generated again first (prompts.py)
         self.logger.truncate_after(self.state.global_step)
         print(resume_line(path, self.state.global_step, self.plan.total_steps, details=self._resume_details()))
 

@@ -4,7 +4,7 @@ training samples out.
     shaped rewards -> (token check) -> old / reference log-probs and values -> advantages and returns
                    -> importance-sampling weights -> rollout metrics
 
-:class:`RLExperience` is a mixin of the trainer (as :class:`~rlhforge.trainers.rl_ckpt.RLCheckpointing`
+:class:`RLExperience` is a mixin of the trainer (as :class:`~rlhforge.trainers.rl.checkpoints.RLCheckpointing`
 is): it reads ``cfg``, ``actor``, ``ref``, ``critic``, ``kl_ctl``, ``gamma``, ``max_new_tokens`` and
 ``state``, and sets ``old_from_update`` for the update that follows.
 """
@@ -15,7 +15,7 @@ import torch
 
 from rlhforge.algorithms import compute_advantages, compute_kl, is_correction, overlong_penalty, stop_properly_penalty
 from rlhforge.workers.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
-from rlhforge.trainers.rl_data import check_tokens
+from rlhforge.trainers.rl.metrics import check_tokens
 
 __all__ = ["RLExperience"]
 
