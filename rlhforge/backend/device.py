@@ -123,10 +123,12 @@ def single_process_env() -> None:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     # a one-rank group's store port is private: a MASTER_PORT inherited from a parent process (which may
-    # still hold it) is replaced by a free one rather than failing with EADDRINUSE. Not under torchrun:
-    # its agent holds the port on purpose and the rank connects to it.
+    # still hold it) is replaced by a free one rather than failing with EADDRINUSE. Not under torchrun, nor
+    # with a store hosted for the rank (TORCHELASTIC_USE_AGENT_STORE: a Ray worker on a loopback node,
+    # distributed.ray_group): the port is held on purpose and the rank connects to it.
     port = os.environ.get("MASTER_PORT")
-    inherited = os.environ["WORLD_SIZE"] == "1" and "TORCHELASTIC_RUN_ID" not in os.environ
+    inherited = os.environ["WORLD_SIZE"] == "1" and "TORCHELASTIC_RUN_ID" not in os.environ \
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     if port is None or (inherited and not _port_free(int(port))):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

@@ -174,8 +174,9 @@ class RayWorkerGroup:
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index(pg, rank)),
                     "name": None, "max_restarts": 0}
             self.hosts.append(remote_host.options(**opts).remote(dict(base_env)))
-        if process_group and num_workers > 1:
-            addr, port, hosted = self._get([self.hosts[0].group_address.remote()], "address")[0]
+        addr, port, hosted = self._get([self.hosts[0].group_address.remote()], "address")[0] if process_group \
+            else (None, None, False)
+        if process_group and (num_workers > 1 or hosted):  # hosted: a one-rank group's store too (DeepSpeed, FSDP2)
             store = {"TORCHELASTIC_USE_AGENT_STORE": "True"} if hosted else {}
             self._get([h.set_env.remote({"RANK": str(r), "WORLD_SIZE": str(num_workers), "MASTER_ADDR": addr,
                                          "MASTER_PORT": str(port), **store}) for r, h in enumerate(self.hosts)],

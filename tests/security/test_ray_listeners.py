@@ -48,8 +48,10 @@ class Actor:
 class Rank:  # a model rank as rlhforge's workers open it: torch.distributed through backend.device
     def __init__(self):
         import torch.distributed as dist
-        from rlhforge.backend.device import init_process_group
-        init_process_group(torch.device("cpu"))
+        from rlhforge.backend.device import init_process_group, single_process_env
+        if os.environ["WORLD_SIZE"] == "1":
+            single_process_env()  # as DeepSpeed / FSDP2 do for a one-rank group
+        init_process_group(torch.device("cpu"), force=True)
         t = torch.ones(1)
         dist.all_reduce(t)
         self.total = t.item()
@@ -62,10 +64,14 @@ ray.get(task.remote())  # a task's worker (Ray may reuse or end it afterwards: n
 pids = [ray.get(actor.pid.remote())]
 pg = placement_group([{"CPU": 1}, {"CPU": 1}])
 ray.get(pg.ready())
-group = RayWorkerGroup("probe", Rank, (), num_workers=2, pg=pg, share=1.0, device="cpu")
+group = RayWorkerGroup("probe", Rank, (), num_workers=2, pg=pg, share=0.5, device="cpu")
 ranks = group._get([h.run.remote("pid", (), {}) for h in group.hosts], "pid")
 assert [total for _, total in ranks] == [2.0, 2.0], ranks
 pids += [pid for pid, _ in ranks]
+single = RayWorkerGroup("single", Rank, (), num_workers=1, pg=pg, share=0.5, device="cpu")
+(rank,) = single._get([h.run.remote("pid", (), {}) for h in single.hosts], "pid")
+assert rank[1] == 1.0, rank
+pids.append(rank[0])
 time.sleep(1.0)  # the agents have opened every port by now (they report to the raylet first)
 me = psutil.Process()
 listeners = []
@@ -126,8 +132,10 @@ def test_every_listener_of_the_ray_tree_is_on_loopback(ray_run):
     worker_pids = {pid for pid, *_ in listeners}
     assert set(ray_run["worker_pids"]) <= worker_pids, (ray_run["worker_pids"], listeners)
     # the two model ranks: Ray's gRPC server, gloo's pair, and on rank 0 the process group's store
-    rank_ports = [[e for e in listeners if e[0] == pid] for pid in ray_run["worker_pids"][1:]]
+    rank_ports = [[e for e in listeners if e[0] == pid] for pid in ray_run["worker_pids"][1:3]]
     assert min(len(r) for r in rank_ports) >= 2 and max(len(r) for r in rank_ports) >= 3, rank_ports
+    # the one-rank group (its own store, as DeepSpeed and FSDP2 open one for a single rank)
+    assert len([e for e in listeners if e[0] == ray_run["worker_pids"][3]]) >= 2, listeners
     outside = [entry for entry in listeners if not _loopback(entry[2])]
     assert outside == [], f"Ray processes listening beyond loopback (pid, name, address, port, kind): {outside}"
 
