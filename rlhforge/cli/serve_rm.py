@@ -10,21 +10,9 @@ import sys
 
 from rlhforge.config.parsing import parse_args
 from rlhforge.config.serve_rm import ServeRMConfig
+from rlhforge.config.aliases import SERVE_RM_LEGACY_ALIASES  # noqa: F401 (re-exported: the tables live in config/aliases.py)
 
 CONFIG_CLASS = ServeRMConfig
-
-# OpenRLHF <= 0.9 flat names of serve_rm.
-SERVE_RM_LEGACY_ALIASES: dict[str, str] = {
-    "--reward_pretrain": "--reward.model_name_or_path",
-    "--pretrain": "--reward.model_name_or_path",
-    "--normalize_reward": "--reward.normalize_enable",
-    "--value_head_prefix": "--ds.value_head_prefix",
-    "--max_len": "--data.max_len",
-    "--packing_samples": "--ds.packing_samples",
-    "--load_in_4bit": "--ds.load_in_4bit",
-    "--disable_fast_tokenizer": "--data.disable_fast_tokenizer",
-}
-
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.serve_rm") -> int:
     from rlhforge.cli.errors import user_errors

@@ -10,22 +10,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from rlhforge.cli.train_rm import PREFERENCE_LEGACY_ALIASES, load_preference_data
+from rlhforge.cli.train_rm import load_preference_data
 from rlhforge.config.dpo import DPOConfig
 from rlhforge.config.parsing import parse_args, save_yaml, to_dict
+from rlhforge.config.aliases import DPO_LEGACY_ALIASES  # noqa: F401 (re-exported: the tables live in config/aliases.py)
 
 CONFIG_CLASS = DPOConfig
-
-DPO_LEGACY_ALIASES: dict[str, str] = {
-    **PREFERENCE_LEGACY_ALIASES,
-    "--beta": "--model.beta",
-    "--ipo": "--model.ipo_enable",
-    "--label_smoothing": "--model.label_smoothing",
-    "--nll_loss_coef": "--model.nll_loss_coef",
-    "--ref_pretrain": "--ref.model_name_or_path",
-    "--ref_offload": "--ref.offload",
-}
-
 
 def load_reference_model(cfg: DPOConfig, strategy, vlm: bool = False):
     """The frozen reference policy, or None when it is the LoRA policy with its adapter disabled."""

@@ -13,27 +13,10 @@ import sys
 from pathlib import Path
 
 from rlhforge.config.kto import KTOConfig
-from rlhforge.config.parsing import LEGACY_ALIASES, parse_args, save_yaml, to_dict
+from rlhforge.config.parsing import parse_args, save_yaml, to_dict
+from rlhforge.config.aliases import KTO_LEGACY_ALIASES  # noqa: F401 (re-exported: the tables live in config/aliases.py)
 
 CONFIG_CLASS = KTOConfig
-
-#: TRL's KTOConfig names and OpenRLHF's train_kto flat names (on top of the shared table)
-KTO_LEGACY_ALIASES: dict[str, str] = {
-    **LEGACY_ALIASES,
-    "--beta": "--model.beta",
-    "--loss_type": "--model.loss_type",
-    "--desirable_weight": "--model.desirable_weight",
-    "--undesirable_weight": "--model.undesirable_weight",
-    "--desirable_loss_weight": "--model.desirable_weight",
-    "--undesirable_loss_weight": "--model.undesirable_weight",
-    "--prompt_key": "--data.prompt_key",
-    "--completion_key": "--data.completion_key",
-    "--output_key": "--data.completion_key",
-    "--label_key": "--data.label_key",
-    "--ref_pretrain": "--ref.model_name_or_path",
-    "--ref_offload": "--ref.offload",
-}
-
 
 def load_unpaired_data(cfg: KTOConfig, tokenizer):
     """Training and eval examples (eval from ``eval.dataset`` or a held-out fraction)."""

@@ -9,26 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rlhforge.config.parsing import LEGACY_ALIASES, parse_args, save_yaml, to_dict
+from rlhforge.config.parsing import parse_args, save_yaml, to_dict
 from rlhforge.config.rm import RMConfig
+from rlhforge.config.aliases import PREFERENCE_LEGACY_ALIASES, RM_LEGACY_ALIASES  # noqa: F401 (re-exported: the tables live in config/aliases.py)
 
 CONFIG_CLASS = RMConfig
-
-# OpenRLHF <= 0.9 flat names of train_rm / train_dpo (on top of the shared table).
-PREFERENCE_LEGACY_ALIASES: dict[str, str] = {
-    **LEGACY_ALIASES,
-    "--prompt_key": "--data.prompt_key",
-    "--chosen_key": "--data.chosen_key",
-    "--rejected_key": "--data.rejected_key",
-}
-RM_LEGACY_ALIASES: dict[str, str] = {
-    **PREFERENCE_LEGACY_ALIASES,
-    "--loss": "--model.loss_type",
-    "--margin_loss": "--model.margin_loss_enable",
-    "--compute_fp32_loss": "--model.compute_fp32_loss_enable",
-    "--value_head_prefix": "--ds.value_head_prefix",
-}
-
 
 def load_preference_data(cfg, tokenizer, *, force_eos: bool, use_margin: bool):
     """Training and eval pairs (eval from ``eval.dataset`` or a held-out fraction)."""

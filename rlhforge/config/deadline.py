@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 from rlhforge.config.parsing import ConfigError
+from rlhforge.config.aliases import DEADLINE_ALIASES  # noqa: F401 (re-exported: the tables live in config/aliases.py)
 
 __all__ = ["DeadlineConfig", "DEADLINE_ALIASES", "check_deadlines", "COLLECTIVE_TIMEOUT_ENV", "collective_timeout_s"]
 
@@ -40,16 +41,6 @@ class DeadlineConfig:
     intact). Longer than ``collective_s``, so a hung collective is reported by its rank first."""
     startup_s: float = 1800.0
     """Placement groups, each model group's load and each engine's start-up."""
-
-
-#: the other deadlines, under the family's names (the older names stay the fields)
-DEADLINE_ALIASES: dict[str, str] = {
-    "--deadline.engine_request_s": "--vllm.request_timeout_s",
-    "--deadline.weight_sync_s": "--vllm.sync_timeout_s",
-    "--deadline.reward_s": "--reward.timeout",
-    "--deadline.env_step_s": "--train.agent_step_timeout",
-    "--deadline.env_episode_s": "--train.agent_episode_timeout",
-}
 
 
 def check_deadlines(d: DeadlineConfig) -> None:

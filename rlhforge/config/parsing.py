@@ -18,98 +18,13 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
 import yaml
+from rlhforge.config.aliases import CURRENT_FLAT_ALIASES, LEGACY_ALIASES, LEGACY_SWITCHES  # noqa: F401 (re-exported: the tables live in config/aliases.py)
 
 T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """An invalid configuration: the message says which field and why."""
-
-
-# OpenRLHF 0.11 names that are flat there but grouped here. Rewritten silently.
-CURRENT_FLAT_ALIASES: dict[str, str] = {
-    "--optim": "--optim.name",
-    "--lr_scheduler": "--optim.lr_scheduler",
-    "--lr_warmup_ratio": "--optim.lr_warmup_ratio",
-    "--min_lr_ratio": "--optim.min_lr_ratio",
-    "--max_norm": "--optim.max_norm",
-    "--adam.lr": "--optim.adam.lr",
-    "--adam.betas": "--optim.adam.betas",
-    "--adam.eps": "--optim.adam.eps",
-    "--adam.weight_decay": "--optim.adam.weight_decay",
-    "--muon.lr": "--optim.muon.lr",
-    "--muon.momentum": "--optim.muon.momentum",
-    "--muon.ns_steps": "--optim.muon.ns_steps",
-    "--muon.nesterov": "--optim.muon.nesterov",
-    "--muon.no_nesterov": "--optim.muon.no_nesterov",
-}
-
-# OpenRLHF <= 0.9 flat names shared by SFT/RM/DPO (and PPO where the field exists).
-# Rewritten with a deprecation notice. Per-command tables extend this one.
-LEGACY_ALIASES: dict[str, str] = {
-    "--pretrain": "--model.model_name_or_path",
-    "--save_path": "--ckpt.output_dir",
-    "--ckpt_path": "--ckpt.path",
-    "--save_steps": "--ckpt.save_steps",
-    "--save_hf_ckpt": "--ckpt.save_hf",
-    "--disable_ds_ckpt": "--ckpt.disable_ds",
-    "--max_ckpt_num": "--ckpt.max_num",
-    "--max_ckpt_mem": "--ckpt.max_mem",
-    "--load_checkpoint": "--ckpt.load_enable",
-    "--logging_steps": "--logger.logging_steps",
-    "--eval_steps": "--eval.steps",
-    "--use_tensorboard": "--logger.tensorboard_dir",
-    "--use_wandb": "--logger.wandb.key",
-    "--wandb_org": "--logger.wandb.org",
-    "--wandb_group": "--logger.wandb.group",
-    "--wandb_project": "--logger.wandb.project",
-    "--wandb_run_name": "--logger.wandb.run_name",
-    "--micro_train_batch_size": "--train.micro_batch_size",
-    "--train_batch_size": "--train.batch_size",
-    "--max_epochs": "--train.max_epochs",
-    "--seed": "--train.seed",
-    "--full_determinism": "--train.full_determinism_enable",
-    "--gradient_checkpointing": "--model.gradient_checkpointing_enable",
-    "--gradient_checkpointing_use_reentrant": "--model.gradient_checkpointing_reentrant",
-    "--aux_loss_coef": "--model.aux_loss_coef",
-    "--zero_stage": "--ds.zero_stage",
-    "--zpg": "--ds.zpg",
-    "--adam_offload": "--ds.adam_offload",
-    "--attn_implementation": "--ds.attn_implementation",
-    "--packing_samples": "--ds.packing_samples",
-    "--grad_accum_dtype": "--ds.grad_accum_dtype",
-    "--overlap_comm": "--ds.overlap_comm",
-    "--load_in_4bit": "--ds.load_in_4bit",
-    "--lora_rank": "--ds.lora.rank",
-    "--lora_alpha": "--ds.lora.alpha",
-    "--target_modules": "--ds.lora.target_modules",
-    "--lora_dropout": "--ds.lora.dropout",
-    "--use_liger_kernel": "--ds.use_liger_kernel",
-    "--ring_attn_size": "--ds.ring_attn_size",
-    "--dataset": "--data.dataset",
-    "--dataset_probs": "--data.dataset_probs",
-    "--dataset_split": "--data.dataset_split",
-    "--eval_dataset": "--eval.dataset",
-    "--eval_split": "--eval.split",
-    "--max_samples": "--data.max_samples",
-    "--input_key": "--data.input_key",
-    "--output_key": "--data.output_key",
-    "--input_template": "--data.input_template",
-    "--apply_chat_template": "--data.apply_chat_template",
-    "--tokenizer_chat_template": "--data.tokenizer_chat_template",
-    "--max_len": "--data.max_len",
-    "--multiturn": "--data.multiturn",
-    "--pretrain_mode": "--model.pretrain_mode_enable",
-    "--disable_fast_tokenizer": "--data.disable_fast_tokenizer",
-    "--learning_rate": "--optim.adam.lr",
-    "--l2": "--optim.adam.weight_decay",
-}
-
-# Legacy switches whose meaning is carried by a value in the new layout.
-LEGACY_SWITCHES: dict[str, list[str]] = {
-    "--bf16": ["--ds.param_dtype", "bf16"],
-    "--flash_attn": ["--ds.attn_implementation", "flash_attention_2"],
-}
 
 
 def rewrite_aliases(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 from rlhforge.config.parsing import ConfigError
+from rlhforge.config.aliases import POLICY_LOSS_FLAG_ALIASES  # noqa: F401 (re-exported: the tables live in config/aliases.py)
 
 __all__ = ["PolicyLossParams", "PolicyLossType", "POLICY_LOSS_TYPES", "POLICY_LOSS_ALIASES", "POLICY_LOSS_FLAG_ALIASES", "LOSS_PARAMS",
            "USES_PPO_CLIP", "SEQUENCE_LOSSES", "canonical_loss_type", "policy_loss_setup", "validate_policy_loss",
@@ -20,19 +21,6 @@ PolicyLossType = Literal["ppo", "gspo", "cispo", "sapo", "dppo", "dro", "gmpo", 
 POLICY_LOSS_ALIASES = {"vanilla": "ppo", "geo_mean": "gmpo", "dppo_tv": "dppo"}
 #: our names (each a key of rlhforge.algorithms.POLICY_LOSSES)
 POLICY_LOSS_TYPES = tuple(n for n in get_args(PolicyLossType) if n not in POLICY_LOSS_ALIASES)
-#: other frameworks' flag names, rewritten silently (veRL ``policy_loss.loss_mode`` / ``tau_pos``; TRL
-#: ``sapo_temperature_*``; prime-rl ``dppo_mask_*``)
-POLICY_LOSS_FLAG_ALIASES = {
-    "--actor.policy_loss.loss_mode": "--actor.policy_loss_type",
-    "--actor.policy_loss.tau_pos": "--actor.policy_loss.sapo_tau_pos",
-    "--actor.policy_loss.tau_neg": "--actor.policy_loss.sapo_tau_neg",
-    "--actor.policy_loss.sapo_temperature_pos": "--actor.policy_loss.sapo_tau_pos",
-    "--actor.policy_loss.sapo_temperature_neg": "--actor.policy_loss.sapo_tau_neg",
-    "--actor.policy_loss.dppo_mask_low": "--actor.policy_loss.dppo_delta_low",
-    "--actor.policy_loss.dppo_mask_high": "--actor.policy_loss.dppo_delta_high",
-}
-
-
 @dataclass(frozen=True)
 class PolicyLossParams:
     """Hyper-parameters of the policy losses beyond PPO's clip (``--actor.policy_loss.*``); each is read
