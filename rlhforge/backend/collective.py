@@ -23,7 +23,7 @@ import torch
 from rlhforge.backend.fingerprint import Fingerprint, state_fingerprint  # noqa: F401 - re-exported
 from rlhforge.backend.strict_device import check, place
 
-__all__ = ["SyncTimeout", "open_group", "store_server", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
+__all__ = ["SyncTimeout", "open_group", "store_server", "loopback_gloo_env", "free_port", "plan_buckets", "pack_bucket", "unpack_bucket", "broadcast_state",
            "stream_buckets", "receive_state", "state_fingerprint", "Fingerprint", "SyncGroup"]
 
 
@@ -46,6 +46,22 @@ def free_port() -> int:
 
 def is_loopback_host(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def loopback_gloo_env() -> dict[str, str]:
+    """``{"GLOO_SOCKET_IFNAME": <the loopback interface>}`` for the members of a group on one machine: gloo binds
+    its pair sockets to the address the host name resolves to, which need not be loopback; empty when the
+    variable is already set or no loopback interface (``lo``, ``lo0``) is found."""
+    import os
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return {}
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return {}
+    name = next((n for n in ("lo", "lo0") if n in names), None)
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
 
 
 def store_server(host: str, port: int, world_size: int | None, timeout: datetime.timedelta,

@@ -177,7 +177,10 @@ class RayWorkerGroup:
         addr, port, hosted = self._get([self.hosts[0].group_address.remote()], "address")[0] if process_group \
             else (None, None, False)
         if process_group and (num_workers > 1 or hosted):  # hosted: a one-rank group's store too (DeepSpeed, FSDP2)
-            store = {"TORCHELASTIC_USE_AGENT_STORE": "True"} if hosted else {}
+            from rlhforge.backend.collective import loopback_gloo_env
+
+            # hosted: a loopback node; gloo's pair sockets pinned to the loopback interface as well
+            store = {"TORCHELASTIC_USE_AGENT_STORE": "True", **loopback_gloo_env()} if hosted else {}
             self._get([h.set_env.remote({"RANK": str(r), "WORLD_SIZE": str(num_workers), "MASTER_ADDR": addr,
                                          "MASTER_PORT": str(port), **store}) for r, h in enumerate(self.hosts)],
                       "set_env")

@@ -57,7 +57,7 @@ class Rank:  # a model rank as rlhforge's workers open it: torch.distributed thr
         self.total = t.item()
 
     def pid(self):
-        return os.getpid(), self.total
+        return os.getpid(), self.total, os.environ.get("GLOO_SOCKET_IFNAME")
 
 actor = Actor.remote()
 ray.get(task.remote())  # a task's worker (Ray may reuse or end it afterwards: not looked for below)
@@ -66,8 +66,11 @@ pg = placement_group([{"CPU": 1}, {"CPU": 1}])
 ray.get(pg.ready())
 group = RayWorkerGroup("probe", Rank, (), num_workers=2, pg=pg, share=0.5, device="cpu")
 ranks = group._get([h.run.remote("pid", (), {}) for h in group.hosts], "pid")
-assert [total for _, total in ranks] == [2.0, 2.0], ranks
-pids += [pid for pid, _ in ranks]
+assert [total for _, total, _ in ranks] == [2.0, 2.0], ranks
+from rlhforge.backend.collective import loopback_gloo_env
+loopback_if = os.environ.get("GLOO_SOCKET_IFNAME") or loopback_gloo_env()["GLOO_SOCKET_IFNAME"]  # lo on Linux
+assert [ifname for _, _, ifname in ranks] == [loopback_if] * 2, ranks  # gloo's pair sockets on the loopback interface
+pids += [pid for pid, _, _ in ranks]
 single = RayWorkerGroup("single", Rank, (), num_workers=1, pg=pg, share=0.5, device="cpu")
 (rank,) = single._get([h.run.remote("pid", (), {}) for h in single.hosts], "pid")
 assert rank[1] == 1.0, rank
