@@ -122,3 +122,41 @@ def step_timing(metrics: dict, epoch: int, step_in_epoch: int, steps_per_epoch: 
     out = {"train/epoch": epoch + (step_in_epoch + 1) / steps_per_epoch, "timing/step": elapsed}
     out.update({f"perf/{x}_per_s": metrics[f"train/{x}"] / elapsed for x in per_s})
     return out
+
+
+def supervised_loop(trainer, bar, *, shard, per_s: tuple[str, ...], eval_at_last_step: bool,
+                    bar_fields: Callable[[dict], dict]) -> None:
+    """The optimizer-step loop SFT, RM, DPO and KTO share, top to bottom: this step's indices (``shard``: the
+    rank's data shard), ``trainer.train_step``, the fault guard's record, timing (``per_s``: the counts turned
+    into rates), evaluation (every ``--eval.steps``, each epoch end and, with ``eval_at_last_step``, the last
+    step), logging, the progress bar (``bar_fields(metrics)``), checkpoints and the guard's after-step work.
+    What the trainer does after the last step (its final checkpoint and export) stays with the trainer."""
+    import time
+
+    from rlhforge.backend.device import peak_memory_bytes
+
+    cfg, strategy, plan, state = trainer.cfg, trainer.strategy, trainer.plan, trainer.state
+    num_samples = len(trainer.train_samples)
+    while state.global_step < plan.total_steps:
+        epoch, step_in_epoch, indices = indices_for_step(state.global_step, plan, num_samples, cfg.train.seed,
+                                                         strategy, shard=shard)
+        start = time.perf_counter()
+        metrics = trainer.train_step(indices)
+        state.global_step += 1
+        step = state.global_step
+        trainer.guard.record(step, trainer.step_skipped, grad_norm=metrics["train/grad_norm"],
+                             batch=lambda: batch_record(step - 1, plan, num_samples, cfg.train.seed))
+        metrics.update(trainer.guard.metrics())
+        metrics.update(step_timing(metrics, epoch, step_in_epoch, plan.steps_per_epoch, time.perf_counter() - start,
+                                   per_s=per_s))
+        if is_eval_step(step, plan.steps_per_epoch, cfg.eval.steps, plan.total_steps if eval_at_last_step else None):
+            metrics.update(trainer.evaluate())
+        if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
+            metrics["perf/peak_memory_gb"] = peak_memory_bytes(strategy.device) / 2**30
+            trainer.logger.log(step, metrics)
+        bar.update(1, **bar_fields(metrics), lr=metrics["train/lr"])
+        if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
+            trainer.save_checkpoint()
+        trainer.guard.after_step(step, trainer.save_checkpoint)
+    trainer.guard.finished()
+    bar.close()

@@ -26,7 +26,6 @@ data the statistics come from (up to 1024) training pairs after training.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,6 @@ import torch
 
 from rlhforge.algorithms.preference_losses import get_rm_loss
 from rlhforge.backend.autotp import copies, data_shard
-from rlhforge.backend.device import peak_memory_bytes
 from rlhforge.backend.step import (
     StepNormaliser,
     pad_micro_batch_count,
@@ -49,14 +47,11 @@ from rlhforge.data.preference import collate_pairs
 from rlhforge.models.reward import save_reward_model, sequence_rewards
 from rlhforge.config.parsing import to_dict
 from rlhforge.trainers.common import (
-    batch_record,
-    indices_for_step,
-    is_eval_step,
     micro_batches,
     resume_trainer_state,
     save_step_checkpoint,
     shard_batches,
-    step_timing,
+    supervised_loop,
 )
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
@@ -151,30 +146,9 @@ class RMTrainer:
             self._loop(bar)
 
     def _loop(self, bar) -> None:
-        cfg, strategy, plan = self.cfg, self.strategy, self.plan
-        while self.state.global_step < plan.total_steps:
-            epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
-                                                             cfg.train.seed, strategy, shard=self.shard)
-            start = time.perf_counter()
-            metrics = self.train_step(indices)
-            self.state.global_step += 1
-            step = self.state.global_step
-            self.guard.record(step, self.step_skipped, grad_norm=metrics["train/grad_norm"],
-                              batch=lambda: batch_record(step - 1, plan, len(self.train_samples), cfg.train.seed))
-            metrics.update(self.guard.metrics())
-            metrics.update(step_timing(metrics, epoch, step_in_epoch, plan.steps_per_epoch, time.perf_counter() - start,
-                                       per_s=('pairs', 'tokens')))
-            if is_eval_step(step, plan.steps_per_epoch, cfg.eval.steps, plan.total_steps):
-                metrics.update(self.evaluate())
-            if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
-                metrics["perf/peak_memory_gb"] = peak_memory_bytes(strategy.device) / 2**30
-                self.logger.log(step, metrics)
-            bar.update(1, loss=metrics["train/loss"], acc=metrics["train/acc"], lr=metrics["train/lr"])
-            if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
-                self.save_checkpoint()
-            self.guard.after_step(step, self.save_checkpoint)
-        self.guard.finished()
-        bar.close()
+        supervised_loop(self, bar, shard=self.shard, per_s=("pairs", "tokens"), eval_at_last_step=True,
+                        bar_fields=lambda m: {"loss": m["train/loss"], "acc": m["train/acc"]})
+        cfg = self.cfg
         if self.state.reward_stats is None:
             self.state.reward_stats = self._stats_from_train()
         if cfg.ckpt.save_steps > 0:

@@ -14,13 +14,11 @@ unchanged and the ring's partial gradients, averaged over the world, give the sa
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rlhforge.backend.device import peak_memory_bytes
 from rlhforge.backend.step import (
     StepNormaliser,
     step_normaliser,
@@ -38,14 +36,11 @@ from rlhforge.models.export import save_hf
 from rlhforge.models.forward import token_logprobs
 from rlhforge.config.parsing import to_dict
 from rlhforge.trainers.common import (
-    batch_record,
-    indices_for_step,
-    is_eval_step,
     micro_batches,
     resume_trainer_state,
     save_step_checkpoint,
     shard_batches,
-    step_timing,
+    supervised_loop,
 )
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
@@ -128,31 +123,9 @@ class SFTTrainer:
             self._loop(bar)
 
     def _loop(self, bar) -> None:
-        cfg, strategy, plan = self.cfg, self.strategy, self.plan
-        while self.state.global_step < plan.total_steps:
-            epoch, step_in_epoch, indices = indices_for_step(self.state.global_step, plan, len(self.train_samples),
-                                                             cfg.train.seed, strategy, shard=self.data_shard)
-            start = time.perf_counter()
-            metrics = self.train_step(indices)
-            self.state.global_step += 1
-            step = self.state.global_step
-            self.guard.record(step, self.step_skipped, grad_norm=metrics["train/grad_norm"],
-                              batch=lambda: batch_record(step - 1, plan, len(self.train_samples), cfg.train.seed))
-            metrics.update(self.guard.metrics())
-            metrics.update(step_timing(metrics, epoch, step_in_epoch, plan.steps_per_epoch, time.perf_counter() - start,
-                                       per_s=('tokens',)))
-            if is_eval_step(step, plan.steps_per_epoch, cfg.eval.steps):
-                metrics.update(self.evaluate())
-            if step % cfg.logger.logging_steps == 0 or step == plan.total_steps:
-                metrics["perf/peak_memory_gb"] = peak_memory_bytes(strategy.device) / 2**30
-                self.logger.log(step, metrics)
-            bar.update(1, loss=metrics["train/loss"], lr=metrics["train/lr"],
-                       tok_s=round(metrics["perf/tokens_per_s"]))
-            if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0 and step < plan.total_steps:
-                self.save_checkpoint()
-            self.guard.after_step(step, self.save_checkpoint)
-        self.guard.finished()
-        bar.close()
+        supervised_loop(self, bar, shard=self.data_shard, per_s=("tokens",), eval_at_last_step=False,
+                        bar_fields=lambda m: {"loss": m["train/loss"], "tok_s": round(m["perf/tokens_per_s"])})
+        cfg, strategy = self.cfg, self.strategy
         if cfg.ckpt.save_steps > 0:
             self.save_checkpoint()
         save_hf(strategy, self.tokenizer, cfg.ckpt.output_dir)
