@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from rlhforge.backend.device import (collective_timeout_kwargs, destroy_group_at_exit, dist_info, release_deepspeed_groups,
-                                    resolve_device, resolve_dtype, single_process_env)
+                                    one_rank_store, resolve_device, resolve_dtype, single_process_env)
 from rlhforge.backend.optim import build_optimizer, build_scheduler, optimizer_param_groups
 from rlhforge.backend.guards import all_ranks_finite, grads_finite, poison_nonfinite
 from rlhforge.backend.strategy import all_reduce_tensor
@@ -95,8 +95,9 @@ class DeepSpeedStrategy:
         if self.world_size == 1:  # one plain process: a one-rank group on a free local port (no MPI discovery)
             single_process_env()
         drop_stale_deepspeed_groups()
-        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
-                                   **collective_timeout_kwargs())
+        with one_rank_store():  # a one-rank group's store on 127.0.0.1 (torch's would be on every interface)
+            deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+                                       **collective_timeout_kwargs())
         from rlhforge.backend.strict_device import install
 
         install()  # RLHFORGE_STRICT_DEVICE=1: collectives checked for the group's device

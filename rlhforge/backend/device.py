@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import random
@@ -59,7 +60,8 @@ def init_process_group(device: torch.device, force: bool = False) -> None:
 
     info = dist_info()
     if (info.world_size > 1 or force) and not dist.is_initialized():
-        dist.init_process_group(backend=process_group_backend(device), **collective_timeout_kwargs())
+        with one_rank_store():
+            dist.init_process_group(backend=process_group_backend(device), **collective_timeout_kwargs())
         destroy_group_at_exit()
     from rlhforge.backend.strict_device import install
 
@@ -133,6 +135,40 @@ def single_process_env() -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+
+
+_ONE_RANK_STORES: dict = {}  # port -> hosted store, kept for the process's life (a live group may still use one)
+
+
+@contextlib.contextmanager
+def one_rank_store():
+    """While a one-rank process group of a plain process (:func:`single_process_env`) is opened through torch's
+    ``env://`` rendezvous (``init_process_group``, DeepSpeed's ``init_distributed``): its store is hosted here on
+    127.0.0.1 (``backend.collective.store_server``) and the rank joins it as a client
+    (``TORCHELASTIC_USE_AGENT_STORE``, set only for the call, so child processes never inherit it). torch would
+    host it on every interface. Nothing changes under torchrun, with a store already hosted for the rank (a Ray
+    worker, ``distributed.ray_group``), for several ranks, or for a non-loopback ``MASTER_ADDR``."""
+    import torch.distributed as dist
+
+    env = os.environ
+    if env.get("WORLD_SIZE") != "1" or "TORCHELASTIC_RUN_ID" in env or env.get("TORCHELASTIC_USE_AGENT_STORE") \
+            or env.get("MASTER_ADDR") not in ("127.0.0.1", "localhost") or not env.get("MASTER_PORT") \
+            or dist.is_initialized():  # initialised already: no rendezvous will happen
+        yield
+        return
+    import datetime
+
+    from rlhforge.backend.collective import store_server
+
+    port = int(env["MASTER_PORT"])
+    if port not in _ONE_RANK_STORES:
+        _ONE_RANK_STORES[port] = store_server("127.0.0.1", port, None, datetime.timedelta(seconds=3600),
+                                              wait_for_workers=False)
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    try:
+        yield
+    finally:
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
 
 
 def _port_free(port: int) -> bool:

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import torch
 
 from rlhforge.backend.device import (collective_timeout_kwargs, destroy_group_at_exit, dist_info, init_process_group, resolve_dtype,
-                                     single_process_env)
+                                     one_rank_store, single_process_env)
 
 __all__ = ["FrozenModel", "frozen_deepspeed_config"]
 
@@ -107,8 +107,9 @@ class FrozenModel:
         if not dist.is_initialized():
             if dist_info().world_size == 1:
                 single_process_env()
-            deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
-                                       **collective_timeout_kwargs())
+            with one_rank_store():
+                deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+                                           **collective_timeout_kwargs())
             from rlhforge.backend.strict_device import install
 
             install()  # RLHFORGE_STRICT_DEVICE=1: collectives checked for the group's device

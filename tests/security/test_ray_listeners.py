@@ -177,3 +177,47 @@ def test_weight_sync_group_store_listens_on_loopback():
 def test_loopback_check_itself():
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("::ffff:127.0.0.1")
     assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("192.0.2.2")
+
+
+ONE_PROCESS = r"""
+import json, os, psutil, torch
+import torch.distributed as dist
+from rlhforge.backend.device import init_process_group, single_process_env
+
+single_process_env()
+out = {}
+for attempt in range(2):  # made, torn down and made again in one process (an in-process vLLM engine does that)
+    init_process_group(torch.device("cpu"), force=True)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out[f"sum{attempt}"] = t.item()
+    dist.destroy_process_group()
+    single_process_env()
+import deepspeed
+from rlhforge.backend.device import one_rank_store
+with one_rank_store():
+    deepspeed.init_distributed(dist_backend="gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+out["deepspeed_sum"] = t.item()
+out["agent_store_env_after"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+out["listeners"] = sorted({c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_one_process_group_outside_ray_listens_on_loopback():
+    """A plain process's one-rank group (sft / rm / dpo, rl --train.workers local: backend.device), through torch
+    and through DeepSpeed, twice in one process: every listener on loopback (torch's own store was on ::), and
+    the store switch is not left in the environment for child processes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                            "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", ONE_PROCESS], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=180)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["sum0"] == out["sum1"] == out["deepspeed_sum"] == 1.0, out
+    assert out["listeners"] and all(_loopback(ip) for ip in out["listeners"]), out["listeners"]
+    assert out["agent_store_env_after"] is None
