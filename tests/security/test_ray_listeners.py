@@ -221,3 +221,17 @@ def test_one_process_group_outside_ray_listens_on_loopback():
     assert out["sum0"] == out["sum1"] == out["deepspeed_sum"] == 1.0, out
     assert out["listeners"] and all(_loopback(ip) for ip in out["listeners"]), out["listeners"]
     assert out["agent_store_env_after"] is None
+
+
+def test_token_authentication_turned_off_on_purpose_is_one_warning_line():
+    """RAY_AUTH_MODE=disabled: the local cluster starts (the user's choice) and init_ray says once what that
+    means; check_token_auth reports it."""
+    code = ("from rlhforge.distributed.launch import init_ray\n"
+            "from ray._private.authentication.authentication_utils import is_token_auth_enabled\n"
+            "import ray\ninit_ray(num_cpus=1)\nprint('TOKEN', is_token_auth_enabled())\nray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and "TOKEN False" in r.stdout, (r.stdout[-1000:], r.stderr[-2000:])
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: RAY_AUTH_MODE=disabled")]
+    assert len(warnings) == 1 and "every local user" in warnings[0], r.stderr[-2000:]
