@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 from rlhforge.config.kto import KTOConfig
-from rlhforge.config.parsing import parse_args, save_yaml, to_dict
 from rlhforge.config.aliases import KTO_LEGACY_ALIASES  # noqa: F401 (re-exported: the tables live in config/aliases.py)
 
 CONFIG_CLASS = KTOConfig
@@ -35,70 +34,39 @@ def load_unpaired_data(cfg: KTOConfig, tokenizer):
 
 def run(cfg: KTOConfig) -> Path:
     """Train and export; returns the output folder. Usable from Python as well as the CLI."""
-    from rlhforge.trainers.run_folder import check_run_folder
-
-    check_run_folder(cfg.ckpt)  # a folder holding another run: refused, or --ckpt.overwrite clears it
-
-    from rlhforge.backend.device import dist_info
     from rlhforge.backend.factory import build_strategy
-    from rlhforge.backend.frozen import FrozenModel
-    from rlhforge.cli.train_dpo import frozen_kind, load_reference_model
-    from rlhforge.config.batching import plan_batches
+    from rlhforge.cli.supervised import announce, batch_plan, fit, start
+    from rlhforge.cli.train_dpo import build_reference, load_reference_model
     from rlhforge.models.loading import load_causal_lm, load_tokenizer
-    from rlhforge.trainers.common import seed_everything
-    from rlhforge.trainers.dpo import DPOTrainer, Reference
+    from rlhforge.trainers.dpo import DPOTrainer
     from rlhforge.trainers.kto import KTOObjective
-    from rlhforge.tracking.metrics import MetricsLogger
 
-    seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
+    start(cfg)
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
                                use_fast=not cfg.data.disable_fast_tokenizer)
     train_samples, eval_samples = load_unpaired_data(cfg, tokenizer)
-    plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
-                        micro_batch_size=cfg.train.micro_batch_size,
-                        world_size=dist_info().world_size // max(cfg.ds.tensor_parallel_size, 1),  # AutoTP: dp ranks
-                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps)
+    plan = batch_plan(cfg, len(train_samples))
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
     with strategy.model_init():  # ZeRO-3: partitioned as it loads
         model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
     ref_model = load_reference_model(cfg, strategy)
     wrapped = strategy.prepare(model, plan.total_steps)
-    frozen = None
-    if ref_model is not None:  # prepared like the policy: ZeRO-3 partitioned / FSDP2 sharded when it is
-        frozen = FrozenModel(ref_model, cfg.ds, strategy.device, kind=frozen_kind(strategy, cfg),
-                             offload=cfg.ref.offload)
-    reference = Reference(strategy, wrapped, frozen, offload=cfg.ref.offload)
-    out = Path(cfg.ckpt.output_dir)
-    if strategy.is_rank0:
-        save_yaml(cfg, out / "config.yaml")
-        good = sum(s.desirable for s in train_samples)
-        print(f"[rlhforge] kto ({cfg.model.loss_type}, beta {cfg.model.beta}, weights {cfg.model.desirable_weight} "
-              f"/ {cfg.model.undesirable_weight}): {len(train_samples)} train examples ({good} desirable, "
-              f"{len(train_samples) - good} undesirable) / {len(eval_samples)} eval, {plan.total_steps} steps "
-              f"({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s), grad accumulation "
-              f"{plan.grad_accum_steps}, {type(strategy).__name__} on {strategy.device}, reference: {reference.kind}"
-              f"{' (precomputed once)' if cfg.ref.precompute_enable else ''}")
-    logger = MetricsLogger(out, cfg.logger, enabled=strategy.is_rank0, config=to_dict(cfg))
-    try:
-        DPOTrainer(cfg, strategy, wrapped, reference, tokenizer, train_samples, eval_samples, plan, logger,
-                   objective=KTOObjective(cfg, strategy), name="kto").fit()
-    finally:
-        logger.close()
-    return out
+    reference = build_reference(cfg, strategy, wrapped, ref_model)
+    m, good = cfg.model, sum(s.desirable for s in train_samples)
+    out = announce(cfg, strategy, plan, None,
+                   f"kto ({m.loss_type}, beta {m.beta}, weights {m.desirable_weight} / {m.undesirable_weight})",
+                   f"{len(train_samples)} train examples ({good} desirable, {len(train_samples) - good} undesirable) "
+                   f"/ {len(eval_samples)} eval",
+                   f", reference: {reference.kind}{' (precomputed once)' if cfg.ref.precompute_enable else ''}")
+    return fit(cfg, strategy, out, lambda logger: DPOTrainer(
+        cfg, strategy, wrapped, reference, tokenizer, train_samples, eval_samples, plan, logger,
+        objective=KTOObjective(cfg, strategy), name="kto"))
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_kto") -> int:
-    from rlhforge.cli.errors import user_errors
-    from rlhforge.config.paths import model_paths
-    from rlhforge.models.hub import check_model_sources
-    from rlhforge.trainers.run_folder import announce_finished
+    from rlhforge.cli.supervised import command_main
 
-    with user_errors(prog):
-        cfg = parse_args(KTOConfig, argv, prog=prog, description=KTOConfig.__doc__, legacy=KTO_LEGACY_ALIASES)
-        check_model_sources(model_paths(cfg))  # missing local folder / unreachable hub: exit 2 now
-        run(cfg)
-        announce_finished("kto", cfg.ckpt)  # one line: the final model, the metrics, the checkpoints
-    return 0
+    return command_main("kto", KTOConfig, run, argv, prog, legacy=KTO_LEGACY_ALIASES)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rlhforge.config.parsing import parse_args, save_yaml, to_dict
 from rlhforge.config.rm import RMConfig
 from rlhforge.config.aliases import PREFERENCE_LEGACY_ALIASES, RM_LEGACY_ALIASES  # noqa: F401 (re-exported: the tables live in config/aliases.py)
 
@@ -34,29 +33,18 @@ def load_preference_data(cfg, tokenizer, *, force_eos: bool, use_margin: bool):
 
 def run(cfg: RMConfig) -> Path:
     """Train and export; returns the output folder. Usable from Python as well as the CLI."""
-    from rlhforge.trainers.run_folder import check_run_folder
-
-    check_run_folder(cfg.ckpt)  # a folder holding another run: refused, or --ckpt.overwrite clears it
-
-    from rlhforge.backend.device import dist_info
     from rlhforge.backend.factory import build_strategy
-    from rlhforge.config.batching import plan_batches
+    from rlhforge.cli.supervised import announce, batch_plan, fit, ring_group, start
     from rlhforge.models.loading import load_tokenizer
     from rlhforge.models.reward import load_reward_model
-    from rlhforge.trainers.common import seed_everything
     from rlhforge.trainers.rm import RMTrainer
-    from rlhforge.tracking.metrics import MetricsLogger
 
-    seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
+    start(cfg)
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
                                use_fast=not cfg.data.disable_fast_tokenizer)
     train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=True,
                                                        use_margin=cfg.model.margin_loss_enable)
-    ring_size = cfg.ds.ring_attn_size
-    plan = plan_batches(num_samples=len(train_samples), batch_size=cfg.train.batch_size,
-                        micro_batch_size=cfg.train.micro_batch_size,
-                        world_size=dist_info().world_size // max(cfg.ds.tensor_parallel_size, 1),  # AutoTP: dp ranks
-                        max_epochs=cfg.train.max_epochs, max_steps=cfg.train.max_steps, ring_size=ring_size)
+    plan = batch_plan(cfg, len(train_samples), cfg.ds.ring_attn_size)
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
     model = load_reward_model(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device,
                               pad_token_id=tokenizer.pad_token_id, value_head_prefix=cfg.ds.value_head_prefix)
@@ -64,40 +52,17 @@ def run(cfg: RMConfig) -> Path:
         print("[rlhforge] rm: warning: the pad token is the EOS token; HF's AutoModelForSequenceClassification "
               "forward will read the reward one token before the final EOS (rlhforge's own scoring is unaffected). "
               "Give the tokenizer a separate pad token to make them agree.")
-    ring = None
-    if ring_size > 1:  # every packed row runs across the ring (docs/long_context.md)
-        from rlhforge.backend.context_parallel import new_ring_group, use_ring_attention
-
-        ring = new_ring_group(ring_size, cfg.ds.ring_attn_head_stride)
-        use_ring_attention(model)
+    ring = ring_group(cfg, model)  # every packed row runs across the ring (docs/long_context.md)
     wrapped = strategy.prepare(model, plan.total_steps)
-    out = Path(cfg.ckpt.output_dir)
-    if strategy.is_rank0:
-        save_yaml(cfg, out / "config.yaml")
-        print(f"[rlhforge] rm: {len(train_samples)} train / {len(eval_samples)} eval pairs, "
-              f"{plan.total_steps} steps ({plan.steps_per_epoch}/epoch), {strategy.world_size} rank(s)"
-              f"{f' as {plan.world_size} data-parallel x {ring_size} ring-attention' if ring else ''}, "
-              f"grad accumulation {plan.grad_accum_steps}, {type(strategy).__name__} on {strategy.device}")
-    logger = MetricsLogger(out, cfg.logger, enabled=strategy.is_rank0, config=to_dict(cfg))
-    try:
-        RMTrainer(cfg, strategy, wrapped, tokenizer, train_samples, eval_samples, plan, logger, ring=ring).fit()
-    finally:
-        logger.close()
-    return out
+    out = announce(cfg, strategy, plan, ring, "rm", f"{len(train_samples)} train / {len(eval_samples)} eval pairs")
+    return fit(cfg, strategy, out, lambda logger: RMTrainer(cfg, strategy, wrapped, tokenizer, train_samples,
+                                                             eval_samples, plan, logger, ring=ring))
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m rlhforge.cli.train_rm") -> int:
-    from rlhforge.cli.errors import user_errors
-    from rlhforge.trainers.run_folder import announce_finished
-    from rlhforge.config.paths import model_paths
-    from rlhforge.models.hub import check_model_sources
+    from rlhforge.cli.supervised import command_main
 
-    with user_errors(prog):
-        cfg = parse_args(RMConfig, argv, prog=prog, description=RMConfig.__doc__, legacy=RM_LEGACY_ALIASES)
-        check_model_sources(model_paths(cfg))  # missing local folder / unreachable hub: exit 2 now
-        run(cfg)
-        announce_finished("rm", cfg.ckpt)  # one line: the final model, the metrics, the checkpoints
-    return 0
+    return command_main("rm", RMConfig, run, argv, prog, legacy=RM_LEGACY_ALIASES)
 
 
 if __name__ == "__main__":
