@@ -8,7 +8,7 @@ these imports with rlhforge's objects:
 
 ==============================  =================================================================
 ``openrlhf.utils.agent``        ``AgentExecutorBase``, ``AgentInstanceBase``,
-                                ``MultiTurnAgentExecutor`` (:mod:`rlhforge.agents.multi_turn`)
+                                ``MultiTurnAgentExecutor`` (:mod:`rlhforge.agents.openrlhf.multi_turn`)
 ``openrlhf.utils``              ``extract_boxed_answer(text)``, ``grade_answer(given, truth)``
                                 (:mod:`rlhforge.rewards.math`, needs math-verify)
 ==============================  =================================================================
@@ -45,9 +45,9 @@ ALIASED: dict[str, dict[str, str]] = {
         "grade_answer": "rlhforge.rewards.math:grade_answer",
     },
     "openrlhf.utils.agent": {
-        "AgentExecutorBase": "rlhforge.agents.multi_turn:AgentExecutorBase",
-        "AgentInstanceBase": "rlhforge.agents.multi_turn:AgentInstanceBase",
-        "MultiTurnAgentExecutor": "rlhforge.agents.multi_turn:MultiTurnAgentExecutor",
+        "AgentExecutorBase": "rlhforge.agents.openrlhf.multi_turn:AgentExecutorBase",
+        "AgentInstanceBase": "rlhforge.agents.openrlhf.multi_turn:AgentInstanceBase",
+        "MultiTurnAgentExecutor": "rlhforge.agents.openrlhf.multi_turn:MultiTurnAgentExecutor",
     },
 }
 _PACKAGES = {"openrlhf", "openrlhf.utils"}

@@ -16,7 +16,7 @@
 Files written for OpenRLHF run unchanged: while the file is imported, ``openrlhf.utils.agent``
 (and ``openrlhf.utils``) resolve to rlhforge's classes unless a real ``openrlhf`` is installed
 (:mod:`rlhforge.openrlhf_alias`); an ``AgentExecutor`` with its own OpenRLHF-shaped ``execute()``
-runs through :mod:`rlhforge.agents.openrlhf_compat`.
+runs through :mod:`rlhforge.agents.openrlhf.execute`.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def _import(path: Path):
 
 def load_agent_executor(path: str) -> EpisodeExecutor:
     """The executor a ``--train.agent_func_path`` value names (not yet configured)."""
-    from rlhforge.agents.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
-    from rlhforge.agents.openai_server import OpenAIServerAgentExecutor
+    from rlhforge.agents.openrlhf.multi_turn import AgentInstanceBase, MultiTurnAgentExecutor
+    from rlhforge.agents.serving.chat import OpenAIServerAgentExecutor
     from rlhforge.agents.registry import RegistryExecutor
 
     if path in ("registry", "builtin:registry"):
@@ -103,7 +103,7 @@ def _defining_class(cls, attr: str):
 
 
 def _check_implemented(cls, path) -> None:
-    from rlhforge.agents.multi_turn import AgentExecutorBase
+    from rlhforge.agents.openrlhf.multi_turn import AgentExecutorBase
 
     if _defining_class(cls, "run_episode") is AgentExecutorBase and _defining_class(cls, "execute") is EpisodeExecutor:
         raise ConfigError(f"{path}: AgentExecutor({cls.__mro__[1].__name__}) implements neither OpenRLHF's "
@@ -118,13 +118,13 @@ def build_executor(cfg, tokenizer, reward_source):
     path = cfg.train.agent_func_path
     env = getattr(cfg, "env", None)
     if env is not None and env.kind != "none":  # --env.kind verifiers|openenv (docs/env_adapters.md)
-        from rlhforge.agents.env_adapters import build_env_adapter
+        from rlhforge.agents.envs.adapters import build_env_adapter
 
         ex = build_env_adapter(cfg, tokenizer)
         return ex.configure(tokenizer=tokenizer, reward_source=reward_source, settings=AgentSettings.from_config(cfg))
     if not path:
         return SingleTurnExecutor(tokenizer, reward_source, check_tokens=cfg.train.check_tokens)
-    from rlhforge.agents.builtin_envs import configure_sandbox
+    from rlhforge.agents.registry.builtin import configure_sandbox
 
     try:  # this run's setting (None: back to $RLHFORGE_SANDBOX_URL, else a local sandbox)
         configure_sandbox(cfg.train.sandbox_url)
@@ -132,9 +132,9 @@ def build_executor(cfg, tokenizer, reward_source):
         raise ConfigError(f"--train.sandbox_url {cfg.train.sandbox_url}: {err}") from None
     ex = load_agent_executor(path)
     if getattr(tokenizer, "image_processor", None) is not None:  # a vision-language actor (docs/vlm.md)
-        from rlhforge.agents.openai_server import OpenAIServerAgentExecutor
-        from rlhforge.agents.openrlhf_compat import user_execute
-        from rlhforge.agents.multi_turn import AgentExecutorBase, MultiTurnAgentExecutor
+        from rlhforge.agents.serving.chat import OpenAIServerAgentExecutor
+        from rlhforge.agents.openrlhf.execute import user_execute
+        from rlhforge.agents.openrlhf.multi_turn import AgentExecutorBase, MultiTurnAgentExecutor
 
         if isinstance(ex, OpenAIServerAgentExecutor) or user_execute(ex, AgentExecutorBase, MultiTurnAgentExecutor):
             raise ConfigError(f"--train.agent_func_path {path}: {type(ex).__name__} agents do not carry images yet; "

@@ -7,7 +7,7 @@ import math
 from dataclasses import fields, replace
 from typing import Any
 
-from rlhforge.agents.episode import AgentError
+from rlhforge.agents.types import AgentError
 from rlhforge.rollout.engine import SamplingParams
 
 __all__ = ["to_float", "merge_sampling", "_float_logs"]

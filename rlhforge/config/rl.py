@@ -325,7 +325,7 @@ class RLTrainConfig:
     stuck at once stop the run (exit 3) naming the environment class and the count. rlhforge-specific."""
     sandbox_url: str | None = None
     """Where the built-in ``math_tir`` tool environment (and user envs calling
-    ``rlhforge.agents.builtin_envs.sandbox()``) runs code: ``http://HOST:PORT`` of ``rlhforge
+    ``rlhforge.agents.registry.builtin.sandbox()``) runs code: ``http://HOST:PORT`` of ``rlhforge
     serve-sandbox`` servers (comma-separated: failover) or ``endpoints:FILE`` (re-read on every call);
     None: ``$RLHFORGE_SANDBOX_URL``, else a local sandbox. The key: ``$RLHFORGE_SANDBOX_API_KEY``.
     rlhforge-specific (the agentic fork's code server)."""

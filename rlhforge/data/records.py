@@ -11,12 +11,13 @@ with the same ``source, record N, field 'x':`` prefix whatever the format.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from rlhforge.data.errors import DataError, describe_value
 from rlhforge.data.loading import INDEX_COLUMN, LINE_COLUMN, SOURCE_COLUMN
 
-__all__ = ["RecordRef", "record_ref", "get_field", "get_text", "get_messages", "MESSAGE_ROLES"]
+__all__ = ["RecordRef", "record_ref", "get_field", "get_text", "get_messages", "MESSAGE_ROLES", "json_label"]
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
 
@@ -141,3 +142,13 @@ def check_truncation_drops(dropped: list, kept: int, *, what: str, max_len: int,
     logger.warning("dropped %d of %d %s whose response starts beyond max_len=%d tokens (e.g. %s)",
                    len(dropped), len(dropped) + kept, what, max_len, examples)
 
+
+def json_label(label: Any) -> Any:
+    """A label as an environment or reward function takes it: a JSON-object string parsed into a dict, anything
+    else (a dict, a number, plain text) unchanged."""
+    if isinstance(label, str) and label.lstrip().startswith("{"):
+        try:
+            return json.loads(label)
+        except json.JSONDecodeError:
+            return label
+    return label

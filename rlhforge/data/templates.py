@@ -45,6 +45,7 @@ __all__ = [
     "encode_prompt",
     "has_generation_markers",
     "tokenize_conversation",
+    "chat_feedback",
 ]
 
 _TEMPLATE_FILE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".txt", ".tmpl")
@@ -249,3 +250,21 @@ def tokenize_conversation(
         if end > start:
             spans.append((start, end))
     return ids, spans
+
+
+def chat_feedback(tokenizer, content: str, *, role: str = "user", after_eos: bool = True) -> str:
+    """Text that closes the assistant turn and adds a ``role`` message, then opens the next
+    assistant turn, in the tokenizer's chat template (e.g. ChatML: ``"\\n<|im_start|>user\\n...
+    <|im_end|>\\n<|im_start|>assistant\\n"``). ``after_eos``: the action ended with the eos token
+    (so it is not repeated); otherwise it is included."""
+    base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "\x00A\x00"}]
+    a = tokenizer.apply_chat_template(base, tokenize=False)
+    b = tokenizer.apply_chat_template(base + [{"role": role, "content": content}], tokenize=False,
+                                      add_generation_prompt=True)
+    if not b.startswith(a):
+        raise ValueError("the chat template does not render a conversation as a prefix of its continuation")
+    tail = a[a.rindex("\x00A\x00") + 3:]
+    eos = tokenizer.eos_token or ""
+    if after_eos and eos and tail.startswith(eos):
+        tail = tail[len(eos):]
+    return tail + b[len(a):]

@@ -19,7 +19,7 @@ from openenv.core.env_server.interfaces import Environment  # noqa: E402
 from openenv.core.env_server.types import Action, Observation, State  # noqa: E402
 
 from rlhforge.agents import AgentSettings  # noqa: E402
-from rlhforge.agents.env_openenv import OpenEnvExecutor  # noqa: E402
+from rlhforge.agents.envs.openenv import OpenEnvExecutor  # noqa: E402
 from rlhforge.agents.single_turn import PromptRequest  # noqa: E402
 from rlhforge.cli.train_ppo_ray import main as rl_main  # noqa: E402
 from rlhforge.rollout.engine import SamplingParams  # noqa: E402

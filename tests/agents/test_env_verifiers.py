@@ -16,9 +16,9 @@ pytest.importorskip("verifiers.v1")
 
 from rlhforge.agents import AgentSettings  # noqa: E402
 from rlhforge.agents.batching import BatchingEngine  # noqa: E402
-from rlhforge.agents.env_verifiers import VerifiersEnvExecutor, taskset_records  # noqa: E402
+from rlhforge.agents.envs.verifiers import VerifiersEnvExecutor, taskset_records  # noqa: E402
 from rlhforge.agents.single_turn import PromptRequest  # noqa: E402
-from rlhforge.agents.token_server import TokenServer  # noqa: E402
+from rlhforge.agents.serving.tokens import TokenServer  # noqa: E402
 from rlhforge.cli.train_ppo_ray import main as rl_main  # noqa: E402
 from rlhforge.rollout.engine import SamplingParams  # noqa: E402
 from rlhforge.rollout.hf_engine import HFEngine  # noqa: E402

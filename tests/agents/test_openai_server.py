@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from rlhforge.agents import AgentSettings, OpenAIServerAgentExecutor
-from rlhforge.agents.openai_server import ChatServer
+from rlhforge.agents.serving.chat import ChatServer
 from rlhforge.agents.single_turn import PromptRequest
 from rlhforge.cli.train_ppo_ray import main as rl_main
 from rlhforge.rollout.engine import SamplingParams

@@ -13,7 +13,7 @@ import pytest
 
 from rlhforge.agents import AgentSettings, MultiTurnAgentExecutor
 from rlhforge.agents.loader import load_agent_executor
-from rlhforge.agents.multi_turn import AgentExecutorBase, AgentInstanceBase
+from rlhforge.agents.openrlhf.multi_turn import AgentExecutorBase, AgentInstanceBase
 from rlhforge.agents.single_turn import PromptRequest
 from rlhforge.cli.train_ppo_ray import main as rl_main
 from rlhforge.config.parsing import ConfigError

@@ -18,8 +18,8 @@ import math
 import pytest
 
 from rlhforge.agents import AgentInstanceBase, AgentSettings, MultiTurnAgentExecutor
-from rlhforge.agents.multi_turn import chat_feedback
-from rlhforge.agents.openai_server import OpenAIServerAgentExecutor
+from rlhforge.agents.openrlhf.multi_turn import chat_feedback
+from rlhforge.agents.serving.chat import OpenAIServerAgentExecutor
 from rlhforge.agents.single_turn import PromptRequest, SingleTurnExecutor
 from rlhforge.agents.token_check import EngineTurn, TokenDriftError, check_trajectory, check_training_rows
 from rlhforge.agents.types import Trajectory

@@ -267,7 +267,7 @@ def _math_tir_episode(tok):
 def test_math_tir_runs_its_code_on_the_service(server, tiny_model_dir, tmp_path, monkeypatch, caplog):
     from transformers import AutoTokenizer
 
-    from rlhforge.agents.builtin_envs import math_tir_sample_filter
+    from rlhforge.agents.registry.builtin import math_tir_sample_filter
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     path = tmp_path / "sandboxes.txt"
@@ -293,7 +293,7 @@ def test_train_sandbox_url_flag_points_math_tir_at_the_service(server, tiny_mode
     start-up error naming the flag; a later run without the flag goes back to a local sandbox."""
     from transformers import AutoTokenizer
 
-    from rlhforge.agents import builtin_envs
+    from rlhforge.agents.registry import builtin as builtin_envs
     from rlhforge.agents.loader import build_executor
     from rlhforge.agents.sandbox import Sandbox, SandboxClient
     from rlhforge.cli.train_ppo_ray import parse_rl_args

@@ -1,5 +1,5 @@
-"""A running agent server for the security tests: :class:`~rlhforge.agents.openai_server.ChatServer` or
-:class:`~rlhforge.agents.token_server.TokenServer` over the tiny model's HF engine, bound to an event loop
+"""A running agent server for the security tests: :class:`~rlhforge.agents.serving.chat.ChatServer` or
+:class:`~rlhforge.agents.serving.tokens.TokenServer` over the tiny model's HF engine, bound to an event loop
 in a background thread (as the trainer binds it to its rollout loop), so a plain ``httpx.Client`` in the
 test thread can drive it. Also used by ``benchmarks/bench_agent_server_isolation.py``."""
 
@@ -10,9 +10,9 @@ import threading
 from contextlib import contextmanager
 
 from rlhforge.agents.batching import BatchingEngine
-from rlhforge.agents.http_routes import AgentServerLimits
-from rlhforge.agents.openai_server import ChatServer
-from rlhforge.agents.token_server import TokenServer
+from rlhforge.agents.serving.routes import AgentServerLimits
+from rlhforge.agents.serving.chat import ChatServer
+from rlhforge.agents.serving.tokens import TokenServer
 from rlhforge.rollout.engine import SamplingParams
 
 

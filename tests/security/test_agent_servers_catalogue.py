@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from rlhforge.agents.http_routes import AgentServerLimits
+from rlhforge.agents.serving.routes import AgentServerLimits
 from tests.security.agent_servers import running_server
 from tests.security.http_catalogue import (assert_disconnect_is_one_line, assert_large_bodies_refused,
                                            assert_slow_clients_closed, check_catalogue, common_bad_bodies)

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from rlhforge.agents.http_routes import AgentServerLimits
+from rlhforge.agents.serving.routes import AgentServerLimits
 from tests.security.agent_servers import running_server
 from tests.security.raw_http import raw_post as _raw_post
 
@@ -178,7 +178,7 @@ def test_tokenizer_threads_give_the_shared_tokenizers_results_off_the_calling_th
     threads of their own, without taking the shared lock (held here by 'the trainer' all along)."""
     from transformers import AutoTokenizer
 
-    from rlhforge.agents.tokenizer_threads import TokenizerThreads
+    from rlhforge.agents.serving.threads import TokenizerThreads
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     lock = threading.RLock()

@@ -1,5 +1,5 @@
-"""What the agent servers accept in a request (:mod:`~rlhforge.agents.openai_server`'s chat route and
-:mod:`~rlhforge.agents.token_server`'s token route): one check per field, shared by both, each refusal
+"""What the agent servers accept in a request (:mod:`~rlhforge.agents.serving.chat`'s chat route and
+:mod:`~rlhforge.agents.serving.tokens`'s token route): one check per field, shared by both, each refusal
 an HTTP 400 (413 for a message over the limit) naming the field as the client wrote it.
 
 Sampling fields (OpenAI's names at the top of a chat request, vLLM's inside ``sampling_params``):
@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rlhforge.agents.http_routes import _HTTPError
+from rlhforge.agents.serving.routes import _HTTPError
 
 __all__ = ["SamplingRequest", "parse_sampling", "chat_messages", "check_length"]
 

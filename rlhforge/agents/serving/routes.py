@@ -1,6 +1,6 @@
 """The HTTP side shared by rlhforge's agent servers: one helper registers a generation route (JSON body
 in, JSON out, errors as OpenAI-style error objects) for the OpenAI-compatible chat route
-(:mod:`rlhforge.agents.openai_server`) and vLLM's token route (:mod:`rlhforge.agents.token_server`), and
+(:mod:`rlhforge.agents.serving.chat`) and vLLM's token route (:mod:`rlhforge.agents.serving.tokens`), and
 :func:`install_guards` puts both under the limits every rlhforge service has (:mod:`rlhforge.net`):
 
 - the body limit (``--train.agent_server_max_body_mb``), counted while the body streams: a

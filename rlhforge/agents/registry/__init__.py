@@ -49,10 +49,10 @@ Semantics:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rlhforge.data.records import json_label as parse_label  # noqa: F401 (re-exported)
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor
 from rlhforge.agents.values import _float_logs, to_float
 from rlhforge.agents.types import Trajectory
@@ -102,7 +102,7 @@ def _builtins() -> None:
     global _BUILTINS_DONE
     if _BUILTINS_DONE:
         return
-    from rlhforge.agents.builtin_envs import BUILTIN_ENVS, BUILTIN_TASKS
+    from rlhforge.agents.registry.builtin import BUILTIN_ENVS, BUILTIN_TASKS
 
     _BUILTINS_DONE = True
     for name, kwargs in BUILTIN_TASKS.items():
@@ -127,16 +127,6 @@ def get_env(name: str) -> Callable:
     if name not in ENVS:
         raise AgentError(f"unknown env_func {name!r}; registered: {', '.join(sorted(ENVS))}")
     return ENVS[name]
-
-
-def parse_label(label: Any) -> Any:
-    """A dict label, a JSON-object string parsed, anything else unchanged."""
-    if isinstance(label, str) and label.lstrip().startswith("{"):
-        try:
-            return json.loads(label)
-        except json.JSONDecodeError:
-            return label
-    return label
 
 
 def _reward_value(raw) -> tuple[float, float, dict[str, float]]:

@@ -23,7 +23,7 @@ trained model's own, loaded from ``--actor.model_name_or_path``).
 
 **Sessions.** ``/sessions/<id>/inference/v1/generate`` (base URL ``.../sessions/<id>/v1``, as
 OpenAI-style clients are configured) records one episode, as the OpenAI-compatible server does
-(:mod:`rlhforge.agents.openai_server`): the first call's ``token_ids`` are the trajectory's prompt;
+(:mod:`rlhforge.agents.serving.chat`): the first call's ``token_ids`` are the trajectory's prompt;
 every later call must start with every token recorded so far (the new tokens after them are
 environment feedback, mask 0), and the generated ids and log-probs are appended as an action span.
 A call that does not extend the session answers HTTP 400 and fails the sample
@@ -38,9 +38,9 @@ import time
 import uuid
 from dataclasses import replace
 
-from rlhforge.agents.http_routes import AgentServerLimits, _HTTPError, add_generation_route
-from rlhforge.agents.openai_server import ChatServer, ChatSession
-from rlhforge.agents.request_checks import SamplingRequest, parse_sampling
+from rlhforge.agents.serving.routes import AgentServerLimits, _HTTPError, add_generation_route
+from rlhforge.agents.serving.chat import ChatServer, ChatSession
+from rlhforge.agents.serving.checks import SamplingRequest, parse_sampling
 from rlhforge.agents.episode import turn_seed
 
 __all__ = ["TokenServer"]

@@ -12,7 +12,7 @@ owns one environment instance), or with ``--env.transport http`` the stateless `
    the episode's prompt, as a user turn in the chat template; otherwise the record's prompt is.
 2. Generate a reply -> ``step({<--env.action_key>: reply text})`` -> ``observation``, ``reward``,
    ``done``. The observation's text goes back to the model as a user turn
-   (:func:`~rlhforge.agents.multi_turn.chat_feedback`): tokenised once, outside the action spans
+   (:func:`~rlhforge.data.templates.chat_feedback`): tokenised once, outside the action spans
    (never trained on). Until ``done`` or the token budget is spent (then the sample is truncated).
 3. The episode reward (and score) is the sum of the step rewards (``None`` counts 0).
 
@@ -34,8 +34,8 @@ import math
 from typing import Any
 
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, EpisodeExecutor
-from rlhforge.agents.multi_turn import chat_feedback
-from rlhforge.agents.registry import parse_label
+from rlhforge.data.templates import chat_feedback
+from rlhforge.data.records import json_label as parse_label
 from rlhforge.agents.types import Trajectory
 
 __all__ = ["OpenEnvExecutor", "OpenEnvError", "observation_text"]

@@ -5,8 +5,8 @@ API (``--train.agent_func_path``): a flat table kind -> builder of an
 ==============  ===============================================  ======================================
 ``--env.kind``  executor                                         ``--env.id``
 ==============  ===============================================  ======================================
-``verifiers``   :class:`~rlhforge.agents.env_verifiers.VerifiersEnvExecutor`  taskset module or ``.py`` file
-``openenv``     :class:`~rlhforge.agents.env_openenv.OpenEnvExecutor`          ``http://HOST:PORT``
+``verifiers``   :class:`~rlhforge.agents.envs.verifiers.VerifiersEnvExecutor`  taskset module or ``.py`` file
+``openenv``     :class:`~rlhforge.agents.envs.openenv.OpenEnvExecutor`          ``http://HOST:PORT``
 ==============  ===============================================  ======================================
 
 A builder gets the run's config and tokenizer and returns the executor, not yet configured
@@ -26,7 +26,7 @@ __all__ = ["ENV_ADAPTERS", "build_env_adapter"]
 
 
 def _verifiers(cfg, tokenizer):
-    from rlhforge.agents.env_verifiers import VerifiersEnvExecutor
+    from rlhforge.agents.envs.verifiers import VerifiersEnvExecutor
 
     e = cfg.env
     return VerifiersEnvExecutor(e.id, args=_args(e), harness=e.harness, runtime=e.runtime,
@@ -34,7 +34,7 @@ def _verifiers(cfg, tokenizer):
 
 
 def _openenv(cfg, tokenizer):
-    from rlhforge.agents.env_openenv import OpenEnvExecutor
+    from rlhforge.agents.envs.openenv import OpenEnvExecutor
 
     e = cfg.env
     return OpenEnvExecutor(e.id, action_key=e.action_key, observation_key=e.observation_key,

@@ -9,7 +9,7 @@ segment (verifiers' default ``resume()`` replays the conversation for environmen
 continues the exchange). Every model call goes through the interception endpoint, as verifiers
 requires, so the trace, the task's rewards and the recorded tokens are verifiers' own.
 
-Selected by :mod:`rlhforge.agents.env_verifiers` unless ``--env.harness`` names another one.
+Selected by :mod:`rlhforge.agents.envs.verifiers` unless ``--env.harness`` names another one.
 """
 
 from __future__ import annotations
