@@ -70,6 +70,9 @@ class ServeRMConfig:
     """TCP port."""
     batch_size: int | None = None
     """Most queries per forward pass (None: 32). Queries of concurrent requests are pooled into batches."""
+    batch_tokens: int = 16384
+    """Most padded tokens per forward pass (rows x the longest row): a long query runs with fewer others, so
+    one text near ``--data.max_len`` does not pad ``--batch_size`` short ones to its length. rlhforge-specific."""
     max_wait_ms: float = 5.0
     """How long the batcher waits for more requests before running a partial batch. rlhforge-specific."""
     api_key: str | None = None
@@ -114,6 +117,8 @@ class ServeRMConfig:
             raise ConfigError(
                 f"--ds.experts_implementation {self.ds.experts_implementation} is not supported by rlhforge yet"
             )
+        if self.batch_tokens < 1:
+            raise ConfigError(f"--batch_tokens must be >= 1 (got {self.batch_tokens})")
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"--batch_size must be >= 1 (got {self.batch_size})")
         if self.data.max_len < 2:

@@ -75,13 +75,15 @@ DEFAULT_MAX_QUEUE = 256
 class RewardScorer:
     """Scores whole texts with a reward model (thread-compatible: one call at a time)."""
 
-    def __init__(self, model, tokenizer, *, max_len: int = 2048, batch_size: int = 32, packed: bool = False,
+    def __init__(self, model, tokenizer, *, max_len: int = 2048, batch_size: int = 32, batch_tokens: int = 16384,
+                 packed: bool = False,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  value_head_prefix: str = "score", normalize: tuple[float, float] | None = None):
         from rlhforge.models.reward import value_head
 
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_len, self.batch_size, self.packed = max_len, batch_size, packed
+        self.batch_tokens = batch_tokens
         self.device, self.dtype = torch.device(device), dtype
         self.value_head_prefix, self.normalize = value_head_prefix, normalize
         value_head(model, value_head_prefix)
@@ -117,6 +119,7 @@ class RewardScorer:
                     "written by `rlhforge rm`, or OpenRLHF's mean/std); serve without normalisation or add them"
                 )
         return cls(model, tokenizer, max_len=cfg.data.max_len, batch_size=cfg.resolved_batch_size,
+                   batch_tokens=cfg.batch_tokens,
                    packed=cfg.ds.packing_samples, device=device, dtype=dtype,
                    value_head_prefix=cfg.ds.value_head_prefix, normalize=normalize)
 
@@ -147,10 +150,8 @@ class RewardScorer:
 
         if not ids:
             return [], []
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         raw = [0.0] * len(ids)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
+        for chunk in length_chunks([len(x) for x in ids], self.batch_size, self.batch_tokens):
             seqs = [{"input_ids": ids[i], "loss_mask": [1] * len(ids[i])} for i in chunk]
             batch = collate_packed(seqs) if self.packed else collate_padded(seqs, self.tokenizer.pad_token_id)
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -166,6 +167,19 @@ class RewardScorer:
     def score(self, texts: list[str]) -> tuple[list[float], list[float]]:
         """(rewards, raw rewards) of ``texts``, in order (:meth:`encode`, then :meth:`score_ids`)."""
         return self.score_ids([self.encode(t) for t in texts])
+
+
+def length_chunks(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut into forward passes of at most ``batch_size`` rows whose padded size
+    (rows x the longest) stays within ``batch_tokens`` (a row longer than the budget runs alone)."""
+    chunks: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        chunk = chunks[-1] if chunks else None
+        if chunk is None or len(chunk) >= batch_size or (len(chunk) + 1) * lengths[i] > batch_tokens:
+            chunks.append([i])
+        else:
+            chunk.append(i)
+    return chunks
 
 
 def _autocast(device: torch.device, dtype: torch.dtype):
