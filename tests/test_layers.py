@@ -90,3 +90,26 @@ def test_the_rule_can_fail():
     """The walk sees lazy imports inside functions (the rule would be blind otherwise)."""
     lazy = [(where, name) for owner, where, name, _ in _imports() if owner == "cli" and name == "rlhforge.trainers.rl"]
     assert lazy, "cli/train_ppo_ray.py imports rlhforge.trainers.rl inside a function"
+
+
+#: agents/: the flat kernel and its sub-packages (docs/architecture.md); who may import which sub-package
+AGENT_SUBPACKAGES = ("openrlhf", "registry", "serving", "envs", "sandbox")
+AGENT_ALLOWED = {"envs": {"serving"}, "registry": {"sandbox"}}
+#: the face, the one chooser, and the old module paths kept for documented imports (tests/test_moved_paths.py)
+AGENT_KERNEL_EXEMPT = {"__init__", "loader", "multi_turn", "openai_server", "builtin_envs", "env_verifiers"}
+
+
+def test_the_agents_kernel_imports_no_sub_package_and_sub_packages_only_the_kernel():
+    found = []
+    for owner, where, name, rel in _imports():
+        parts = name.split(".")
+        if owner != "agents" or parts[:2] != ["rlhforge", "agents"] or len(parts) < 3:
+            continue
+        target = parts[2] if parts[2] in AGENT_SUBPACKAGES else None
+        home = rel.parts[1] if len(rel.parts) > 2 else None  # the sub-package of the importing file, if any
+        if home is None:
+            if target and rel.stem not in AGENT_KERNEL_EXEMPT:
+                found.append(f"{where}: the kernel imports {name}")
+        elif target and target != home and target not in AGENT_ALLOWED.get(home, set()):
+            found.append(f"{where}: agents/{home} imports {name}")
+    assert not found, "\n".join(found)
