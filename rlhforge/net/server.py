@@ -147,16 +147,21 @@ class ServerHandle:
 
 def start_server_thread(app, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0,
                         log_level: str = "warning", *, route: str = "/get_reward", name: str = "reward server",
-                        limits: ServerLimits | None = None, **extra) -> ServerHandle:
+                        limits: ServerLimits | None = None, sock: socket.socket | None = None,
+                        **extra) -> ServerHandle:
     """Run ``app`` with uvicorn in a daemon thread; returns once it accepts connections. ``port=0`` picks a free
-    port. Raises RuntimeError naming ``name`` if it does not start."""
-    if port == 0:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
+    port; ``sock``: a socket already bound (and listening) to serve on instead, so no other process can take
+    the port in between. Raises RuntimeError naming ``name`` if it does not start."""
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+    elif port == 0:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
     extra.setdefault("lifespan", "on")
     server = uvicorn_module().Server(uvicorn_config(app, host, port, log_level=log_level, limits=limits, **extra))
-    thread = threading.Thread(target=server.run, name=f"{name.replace(' ', '-')}-{port}", daemon=True)
+    thread = threading.Thread(target=server.run, name=f"{name.replace(' ', '-')}-{port}", daemon=True,
+                              kwargs={"sockets": [sock]} if sock is not None else {})
     thread.start()
     deadline = time.monotonic() + timeout
     while not server.started:

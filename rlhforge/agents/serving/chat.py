@@ -155,8 +155,7 @@ class ChatServer:
         self.sessions: dict[str, ChatSession] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._generate: Callable | None = None
-        self._server = None
-        self._thread: threading.Thread | None = None
+        self._handle = None  # the running server (rlhforge.net.server.ServerHandle)
         self.port: int | None = None
         template = getattr(tokenizer, "chat_template", None) or ""
         self.renders_tools = "tools" in template
@@ -171,36 +170,26 @@ class ChatServer:
         return f"{self.url}/sessions/{sid}/v1"
 
     def start(self) -> str:
-        if self._thread is not None:
+        if self._handle is not None:
             return self.url
-        import uvicorn
-
-        from rlhforge.net.server import ServerLimits, uvicorn_config
+        from rlhforge.net.server import ServerLimits, start_server_thread
 
         self.tok.start()
         sock = _free_socket()
         self.port = sock.getsockname()[1]
-        # header deadline, header size and keep-alive bounds of every rlhforge service (rlhforge.net.server)
-        config = uvicorn_config(self.app, "127.0.0.1", self.port, lifespan="off", access_log=False,
-                                limits=ServerLimits(header_timeout_s=self.limits.header_timeout_s))
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
-                                        name="rlhforge-openai-server")
-        self._thread.start()
-        deadline = time.time() + 30
-        while not self._server.started:
-            if time.time() > deadline or not self._thread.is_alive():
-                raise AgentError("the OpenAI-compatible server did not start")
-            time.sleep(0.01)
+        try:  # header deadline, header size and keep-alive bounds of every rlhforge service (rlhforge.net.server)
+            self._handle = start_server_thread(self.app, sock=sock, name="OpenAI-compatible server", route="/v1",
+                                               lifespan="off", access_log=False,
+                                               limits=ServerLimits(header_timeout_s=self.limits.header_timeout_s))
+        except RuntimeError as err:
+            raise AgentError(f"the OpenAI-compatible server did not start: {err}") from err
         return self.url
 
     def stop(self) -> None:
         self.tok.stop()
-        if self._server is not None:
-            self._server.should_exit = True
-            if self._thread is not None:
-                self._thread.join(timeout=10)
-        self._server = self._thread = None
+        if self._handle is not None:
+            self._handle.stop(timeout=10)
+        self._handle = None
 
     def bind(self, loop: asyncio.AbstractEventLoop | None, generate_one: Callable | None) -> None:
         """Generation requests are run as ``generate_one(ids, sampling)`` on ``loop``."""
