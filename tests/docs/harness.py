@@ -49,8 +49,7 @@ PAGES = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*
 LABELS = {"gpu", "cluster", "template", "tested"}
 PARSED_ONLY = {"gpu", "cluster", "template", "tested"}
 LINKED = ("examples", "benchmarks", "scripts", ".venv", "requirements", "pyproject.toml")
-TRAIN_COMMANDS = {"sft", "rm", "dpo", "rl"}
-TRAIN_MODULES = {f"rlhforge.cli.{m}" for m in ("train_sft", "train_rm", "train_dpo", "train_ppo_ray")}
+TRAIN_MODULES = {f"rlhforge.cli.{m}" for m in ("train_sft", "train_rm", "train_dpo", "train_kto", "train_ppo_ray")}
 #: what each runnable command gets appended so the page runs in seconds (the documented sizes are the real ones)
 TINY = {
     "train": ["--train.max_steps", "2"],
