@@ -124,13 +124,25 @@ def step_timing(metrics: dict, epoch: int, step_in_epoch: int, steps_per_epoch: 
     return out
 
 
-def supervised_loop(trainer, bar, *, shard, per_s: tuple[str, ...], eval_at_last_step: bool,
-                    bar_fields: Callable[[dict], dict]) -> None:
-    """The optimizer-step loop SFT, RM, DPO and KTO share, top to bottom: this step's indices (``shard``: the
-    rank's data shard), ``trainer.train_step``, the fault guard's record, timing (``per_s``: the counts turned
-    into rates), evaluation (every ``--eval.steps``, each epoch end and, with ``eval_at_last_step``, the last
-    step), logging, the progress bar (``bar_fields(metrics)``), checkpoints and the guard's after-step work.
-    What the trainer does after the last step (its final checkpoint and export) stays with the trainer."""
+def supervised_loop(trainer, *, desc: str, shard, per_s: tuple[str, ...], eval_at_last_step: bool,
+                    bar_fields: Callable[[dict], dict], finish: Callable[[], None]) -> None:
+    """The optimizer-step loop SFT, RM, DPO and KTO share, top to bottom, under the trainer's fault guard:
+    this step's indices (``shard``: the rank's data shard), ``trainer.train_step``, the guard's record, timing
+    (``per_s``: the counts turned into rates), evaluation (every ``--eval.steps``, each epoch end and, with
+    ``eval_at_last_step``, the last step), logging, the progress bar (``desc``; ``bar_fields(metrics)``),
+    checkpoints and the guard's after-step work; then ``finish()`` (the trainer's final checkpoint and export)."""
+    from rlhforge.tracking.progress import Progress, progress_enabled
+
+    cfg, strategy, plan, state = trainer.cfg, trainer.strategy, trainer.plan, trainer.state
+    bar = Progress(plan.total_steps, state.global_step,
+                   enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc=desc)
+    strategy.train()
+    with trainer.guard:
+        _steps(trainer, bar, shard, per_s, eval_at_last_step, bar_fields)
+        finish()
+
+
+def _steps(trainer, bar, shard, per_s, eval_at_last_step, bar_fields) -> None:
     import time
 
     from rlhforge.backend.device import peak_memory_bytes

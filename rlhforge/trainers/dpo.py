@@ -66,7 +66,6 @@ from rlhforge.trainers.common import (
 )
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
-from rlhforge.tracking.progress import Progress, progress_enabled
 
 class DPOObjective:
     """The DPO-family loss of a micro-batch of pairs (DPO, cDPO, IPO, + NLL): what :class:`DPOTrainer` runs
@@ -287,7 +286,7 @@ class DPOTrainer:
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:
-        cfg, strategy, plan = self.cfg, self.strategy, self.plan
+        cfg, strategy = self.cfg, self.strategy
         if cfg.ref.precompute_enable:
             start = time.perf_counter()
             mb = cfg.train.micro_batch_size
@@ -299,19 +298,14 @@ class DPOTrainer:
                 print(f"[rlhforge] {self.name}: reference log-probs of {len(self.train_samples)} train / "
                       f"{len(self.eval_samples)} eval pairs precomputed in {time.perf_counter() - start:.1f}s")
         self._maybe_resume()
-        bar = Progress(plan.total_steps, self.state.global_step,
-                       enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc=self.name)
-        strategy.train()
-        with self.guard:
-            self._loop(bar)
+        supervised_loop(self, desc=self.name, shard=self.shard, per_s=(self.objective.UNIT, "tokens"),
+                        eval_at_last_step=True, bar_fields=self.objective.bar, finish=self._finish)
 
-    def _loop(self, bar) -> None:
-        supervised_loop(self, bar, shard=self.shard, per_s=(self.objective.UNIT, "tokens"), eval_at_last_step=True,
-                        bar_fields=self.objective.bar)
-        cfg, strategy = self.cfg, self.strategy
-        if cfg.ckpt.save_steps > 0:
+    def _finish(self) -> None:
+        """After the last step: the final checkpoint and the export."""
+        if self.cfg.ckpt.save_steps > 0:
             self.save_checkpoint()
-        save_hf(strategy, self.tokenizer, cfg.ckpt.output_dir)
+        save_hf(self.strategy, self.tokenizer, self.cfg.ckpt.output_dir)
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
         strategy, cfg, samples = self.strategy, self.cfg, self.train_samples

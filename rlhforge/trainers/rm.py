@@ -55,7 +55,6 @@ from rlhforge.trainers.common import (
 )
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
-from rlhforge.tracking.progress import Progress, progress_enabled
 
 STATS_SAMPLES_WITHOUT_EVAL = 1024
 
@@ -137,17 +136,13 @@ class RMTrainer:
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:
-        cfg, strategy, plan = self.cfg, self.strategy, self.plan
         self._maybe_resume()
-        bar = Progress(plan.total_steps, self.state.global_step,
-                       enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="rm")
-        strategy.train()
-        with self.guard:
-            self._loop(bar)
+        supervised_loop(self, desc="rm", shard=self.shard, per_s=("pairs", "tokens"), eval_at_last_step=True,
+                        bar_fields=lambda m: {"loss": m["train/loss"], "acc": m["train/acc"]},
+                        finish=self._finish)
 
-    def _loop(self, bar) -> None:
-        supervised_loop(self, bar, shard=self.shard, per_s=("pairs", "tokens"), eval_at_last_step=True,
-                        bar_fields=lambda m: {"loss": m["train/loss"], "acc": m["train/acc"]})
+    def _finish(self) -> None:
+        """After the last step: the final checkpoint and the export."""
         cfg = self.cfg
         if self.state.reward_stats is None:
             self.state.reward_stats = self._stats_from_train()

@@ -44,7 +44,6 @@ from rlhforge.trainers.common import (
 )
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
-from rlhforge.tracking.progress import Progress, progress_enabled
 
 
 @dataclass
@@ -114,17 +113,13 @@ class SFTTrainer:
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:
-        cfg, strategy, plan = self.cfg, self.strategy, self.plan
         self._maybe_resume()
-        bar = Progress(plan.total_steps, self.state.global_step,
-                       enabled=progress_enabled(cfg.logger.progress_bar, strategy.is_rank0), desc="sft")
-        strategy.train()
-        with self.guard:
-            self._loop(bar)
+        supervised_loop(self, desc="sft", shard=self.data_shard, per_s=("tokens",), eval_at_last_step=False,
+                        bar_fields=lambda m: {"loss": m["train/loss"], "tok_s": round(m["perf/tokens_per_s"])},
+                        finish=self._finish)
 
-    def _loop(self, bar) -> None:
-        supervised_loop(self, bar, shard=self.data_shard, per_s=("tokens",), eval_at_last_step=False,
-                        bar_fields=lambda m: {"loss": m["train/loss"], "tok_s": round(m["perf/tokens_per_s"])})
+    def _finish(self) -> None:
+        """After the last step: the final checkpoint and the export."""
         cfg, strategy = self.cfg, self.strategy
         if cfg.ckpt.save_steps > 0:
             self.save_checkpoint()
