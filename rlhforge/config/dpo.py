@@ -68,6 +68,21 @@ class RefConfig:
     reference model (saves memory and one forward per step). rlhforge-specific."""
 
 
+def uses_adapter_reference(cfg) -> bool:
+    """LoRA with no separate reference path (DPO, KTO): the reference is the policy with the adapter disabled."""
+    ref = cfg.ref.model_name_or_path
+    return cfg.ds.lora.rank > 0 and (ref is None or ref == cfg.model.model_name_or_path)
+
+
+def check_reference(cfg) -> None:
+    """The ``--ref.*`` rules DPO and KTO share."""
+    if cfg.ref.offload and uses_adapter_reference(cfg):
+        raise ConfigError(
+            "--ref.offload: with LoRA the reference is the policy with its adapter disabled, so there is no "
+            "separate reference model to offload (drop --ref.offload, or give --ref.model_name_or_path)"
+        )
+
+
 @dataclass(frozen=True)
 class DPOCkptConfig(CkptConfig):
     CHECKPOINTS: ClassVar[str] = "checkpoints_dpo"
@@ -94,9 +109,7 @@ class DPOConfig:
 
     @property
     def uses_adapter_reference(self) -> bool:
-        """LoRA with no separate reference path: the reference is the policy with the adapter disabled."""
-        ref = self.ref.model_name_or_path
-        return self.ds.lora.rank > 0 and (ref is None or ref == self.model.model_name_or_path)
+        return uses_adapter_reference(self)
 
     def validate(self) -> None:
         validate_common(self)
@@ -116,8 +129,4 @@ class DPOConfig:
                               "0: no bound)")
         if m.nll_loss_coef < 0:
             raise ConfigError(f"--model.nll_loss_coef must be >= 0 (got {m.nll_loss_coef})")
-        if self.ref.offload and self.uses_adapter_reference:
-            raise ConfigError(
-                "--ref.offload: with LoRA the reference is the policy with its adapter disabled, so there is no "
-                "separate reference model to offload (drop --ref.offload, or give --ref.model_name_or_path)"
-            )
+        check_reference(self)

@@ -23,7 +23,7 @@ from rlhforge.config.components import (
     OptimConfig,
     TrainConfig,
 )
-from rlhforge.config.dpo import RefConfig
+from rlhforge.config.dpo import RefConfig, check_reference, uses_adapter_reference
 from rlhforge.config.parsing import ConfigError
 from rlhforge.config.validation import validate_common
 
@@ -81,9 +81,7 @@ class KTOConfig:
 
     @property
     def uses_adapter_reference(self) -> bool:
-        """LoRA with no separate reference path: the reference is the policy with the adapter disabled."""
-        ref = self.ref.model_name_or_path
-        return self.ds.lora.rank > 0 and (ref is None or ref == self.model.model_name_or_path)
+        return uses_adapter_reference(self)
 
     def validate(self) -> None:
         validate_common(self)
@@ -102,8 +100,4 @@ class KTOConfig:
         if self.ds.ring_attn_size > 1:
             raise ConfigError("--ds.ring_attn_size: ring attention is not wired for KTO (its reference point is a "
                               "batch statistic of every example); use it with sft, rm or dpo")
-        if self.ref.offload and self.uses_adapter_reference:
-            raise ConfigError(
-                "--ref.offload: with LoRA the reference is the policy with its adapter disabled, so there is no "
-                "separate reference model to offload (drop --ref.offload, or give --ref.model_name_or_path)"
-            )
+        check_reference(self)

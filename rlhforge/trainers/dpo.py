@@ -81,7 +81,7 @@ class DPOObjective:
     UNIT = "pairs"  # what a step's examples are called in the metrics (train/pairs, perf/pairs_per_s)
     FIELDS = ("loss", "acc", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp", "nll_loss", "tokens")
 
-    def __init__(self, cfg, strategy=None):
+    def __init__(self, cfg):
         self.m = cfg.model
 
     def __call__(self, sums: Tensor, ref: Tensor, token_logps: Tensor, mask: Tensor, samples) -> tuple[Tensor, dict]:
