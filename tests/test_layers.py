@@ -113,3 +113,50 @@ def test_the_agents_kernel_imports_no_sub_package_and_sub_packages_only_the_kern
         elif target and target != home and target not in AGENT_ALLOWED.get(home, set()):
             found.append(f"{where}: agents/{home} imports {name}")
     assert not found, "\n".join(found)
+
+
+#: issue 45's measure: the longest chain of imports inside agents/ (lazy ones too), counted in modules
+AGENTS_MAX_DEPTH = 8
+
+
+def _module_name(rel: Path) -> str:
+    parts = ("rlhforge", *rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def agents_import_chain() -> list[str]:
+    """The longest chain of agents/ modules, each importing the next (``from pkg import mod`` counts
+    as importing ``pkg.mod``); a circle would make it endless and fails instead."""
+    modules = {_module_name(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        me = _module_name(rel)
+        if not me.startswith("rlhforge.agents"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = rel.parent.parts[: len(rel.parent.parts) - (node.level - 1)] if node.level else ()
+                module = ".".join((*(("rlhforge", *base) if node.level else ()), *([node.module] if node.module else [])))
+                names = [module, *(f"{module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            edges.setdefault(me, set()).update(n for n in names if n in modules and n != me
+                                               and n.startswith("rlhforge.agents"))
+    longest: dict[str, list[str]] = {}
+
+    def chain(mod: str, seen: tuple[str, ...]) -> list[str]:
+        assert mod not in seen, f"import circle: {' -> '.join(seen + (mod,))}"
+        if mod not in longest:
+            longest[mod] = [mod, *max((chain(m, seen + (mod,)) for m in edges.get(mod, ())), key=len, default=[])]
+        return longest[mod]
+
+    return max((chain(m, ()) for m in edges), key=len)
+
+
+def test_agents_is_at_most_eight_import_levels_deep():
+    found = agents_import_chain()
+    assert len(found) <= AGENTS_MAX_DEPTH, f"{len(found)} levels: {' -> '.join(found)}"
+    assert len(found) >= 3  # the walk sees the chain (loader -> ... -> types), it cannot pass by seeing nothing

@@ -56,8 +56,7 @@ from rlhforge.agents.batching import BatchingEngine
 from rlhforge.agents.env_threads import EnvironmentStuckError, EnvThreadPool
 from rlhforge.agents.episode_images import FeedbackPiece, check_image_tokens, feedback_pieces
 from rlhforge.agents.single_turn import PromptRequest
-from rlhforge.agents.token_check import EngineTurn
-from rlhforge.agents.types import AgentError, Trajectory
+from rlhforge.agents.types import AgentError, EngineTurn, Trajectory
 from rlhforge.rollout.engine import SamplingParams
 
 __all__ = ["AgentError", "EnvironmentStuckError", "AgentSettings", "Action", "Episode", "BatchingEngine",

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rlhforge.agents.token_check import EngineTurn
-from rlhforge.agents.types import Trajectory
+from rlhforge.agents.types import EngineTurn, Trajectory
 from rlhforge.rewards.base import RewardBatch, call_source
 from rlhforge.rollout.engine import SamplingParams
 

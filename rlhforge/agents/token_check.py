@@ -23,21 +23,11 @@ and the ids on both sides; ``rlhforge rl`` stops with exit code 3.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Sequence
 
-from rlhforge.agents.types import AgentError, Trajectory
+from rlhforge.agents.types import AgentError, EngineTurn, Trajectory
 
 __all__ = ["EngineTurn", "TokenDriftError", "check_trajectory", "check_training_rows", "first_difference"]
-
-
-@dataclass(frozen=True)
-class EngineTurn:
-    """One generation call of an episode: the engine's input, its kept output and log-probs."""
-
-    seen: tuple[int, ...]
-    produced: tuple[int, ...]
-    logprobs: tuple[float, ...]
 
 
 class TokenDriftError(AgentError):

@@ -1,11 +1,22 @@
-"""The ``Trajectory``: what an agent executor hands the experience maker (token ids, never text)."""
+"""The records of an episode: the ``Trajectory`` an agent executor hands the experience maker (token ids,
+never text) and the ``EngineTurn``s it was generated in."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Trajectory", "AgentError"]
+__all__ = ["Trajectory", "AgentError", "EngineTurn"]
+
+
+@dataclass(frozen=True)
+class EngineTurn:
+    """One generation call of an episode: the engine's input, its kept output and log-probs (checked
+    against the trained tokens by :mod:`rlhforge.agents.token_check`)."""
+
+    seen: tuple[int, ...]
+    produced: tuple[int, ...]
+    logprobs: tuple[float, ...]
 
 
 @dataclass
@@ -53,7 +64,7 @@ class Trajectory:
     ``--train.partial_rollout_enable`` a response may end under a later one: ``policy_version_end``."""
     policy_version_end: int = -1
     engine_turns: list | None = None
-    """``--train.check_tokens``: every generation call of the episode (``agents.token_check.EngineTurn``:
+    """``--train.check_tokens``: every generation call of the episode (:class:`EngineTurn`:
     the ids the engine saw, the ids it produced, their log-probs), for :func:`check_trajectory`."""
 
     @property

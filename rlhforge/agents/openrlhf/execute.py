@@ -34,8 +34,7 @@ from typing import Any
 
 from rlhforge.agents.episode import AgentError, Episode, EpisodeContext, turn_seed
 from rlhforge.agents.single_turn import PromptRequest
-from rlhforge.agents.token_check import EngineTurn
-from rlhforge.agents.types import Trajectory
+from rlhforge.agents.types import EngineTurn, Trajectory
 from rlhforge.rollout.engine import SamplingParams
 
 __all__ = ["VLLMSamplingParams", "Logprob", "CompletionOutput", "RequestOutput", "OpenRLHFEngine",

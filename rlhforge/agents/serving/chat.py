@@ -58,8 +58,7 @@ from rlhforge.agents.serving.routes import AgentServerLimits, _HTTPError, add_ge
 from rlhforge.agents.serving.checks import chat_messages, check_length, parse_sampling
 from rlhforge.agents.serving.threads import TokenizerThreads
 from rlhforge.agents.values import _float_logs, to_float
-from rlhforge.agents.types import Trajectory
-from rlhforge.agents.token_check import EngineTurn
+from rlhforge.agents.types import EngineTurn, Trajectory
 from rlhforge.rollout.engine import SamplingParams
 
 __all__ = ["ChatServer", "ChatSession", "OpenAIServerAgentExecutor"]
