@@ -8,6 +8,7 @@ Modules, one family each (formulas and defaults: ``docs/algorithms.md``):
 - ``advantages``: GAE, returns, group baselines (RLOO, GRPO, Dr. GRPO, ...), whitening;
 - ``policy_losses``: PPO (clip-higher, dual clip), GSPO, FlashREINFORCE, entropy bonus;
 - ``policy_losses_2026``: CISPO, SAPO, DPPO, DRO, GMPO, Clip-Cov, KL-Cov;
+- ``distillation``: on-policy distillation (reverse-KL rewards, forward KL over the teacher's top-k);
 - ``value_losses``: clipped / unclipped critic loss;
 - ``preference_losses``: reward-model and DPO/cDPO/IPO losses;
 - ``unpaired_losses``: KTO and APO-zero on unpaired (desirable/undesirable) examples;
@@ -56,6 +57,15 @@ from .corrections import (
     is_correction,
     seq_mask_tis,
     tis,
+)
+from .distillation import (
+    DISTILL_MODES,
+    distill_metrics,
+    forward_kl_topk,
+    on_policy_distill_advantages,
+    reverse_kl_rewards,
+    shifted_gather_logprobs,
+    shifted_topk_logprobs,
 )
 from .filtering import dynamic_filter, expand_group_mask
 from .kl import (
@@ -124,6 +134,9 @@ __all__ = [
     # corrections
     "IS_CORRECTIONS", "flash_reinforce_trust_region", "get_is_correction", "icepop", "is_correction",
     "seq_mask_tis", "tis",
+    # distillation
+    "DISTILL_MODES", "distill_metrics", "forward_kl_topk", "on_policy_distill_advantages", "reverse_kl_rewards",
+    "shifted_gather_logprobs", "shifted_topk_logprobs",
     # filtering
     "dynamic_filter", "expand_group_mask",
     # kl

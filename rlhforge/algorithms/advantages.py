@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ._utils import as_bool, check_same_shape, lookup, masked_mean, masked_var
+from .distillation import on_policy_distill_advantages  # the teacher-scored estimator (algorithms/distillation.py)
 
 __all__ = [
     "gae",
@@ -251,6 +252,7 @@ WHITEN_BY_DEFAULT: dict[str, bool] = {
     "group_norm": False,
     "dr_grpo": False,
     "flash_reinforce": False,
+    "on_policy_distill": False,
 }
 
 
@@ -331,6 +333,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
     "group_norm": _make_critic_free("group_norm", group_norm),
     "dr_grpo": _make_critic_free("dr_grpo", dr_grpo),
     "flash_reinforce": _make_critic_free("flash_reinforce", _flash_shaping),
+    "on_policy_distill": on_policy_distill_advantages,  # takes student_logprobs / teacher_logprobs too
 }
 
 

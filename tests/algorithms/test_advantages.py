@@ -216,7 +216,8 @@ def test_assemble_token_rewards_by_hand():
 
 
 def test_table_names_and_unknown_name():
-    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "flash_reinforce"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "flash_reinforce",
+                                         "on_policy_distill"}
     assert get_advantage_estimator("group-norm") is ADVANTAGE_ESTIMATORS["group_norm"]
     with pytest.raises(ValueError, match="unknown advantage estimator 'grpo'; valid names: dr_grpo, flash_reinforce, gae"):
         get_advantage_estimator("grpo")
