@@ -134,6 +134,9 @@ def build_trainer(cfg: RLConfig):
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.actor.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
                                    use_fast=not cfg.data.disable_fast_tokenizer)
+    from rlhforge.cli.distill import build_teacher, check_teacher_tokenizer
+
+    check_teacher_tokenizer(cfg, tokenizer)  # on-policy distillation: one token-to-id map, else exit 2
     prompts, eval_prompts = load_prompts(cfg, tokenizer)
     if cfg.eval.dataset and not eval_prompts:
         raise ConfigError(f"--eval.dataset {cfg.eval.dataset} has no prompts")
@@ -177,6 +180,7 @@ def build_trainer(cfg: RLConfig):
 
         actor, ref, critic, placement, reward_group, ray_engines = build_ray_groups(cfg, tokenizer, plan,
                                                                                     start_engines)
+        teacher = actor.teacher_group  # on-policy distillation's teacher, placed like the reference
         # the driver holds no model with Ray workers (engines and reward models are Ray actors): no GPU for it
         device = torch.device("cpu") if cfg.vllm.num_engines else resolve_device(cfg.train.device)
         strategy_name = f"{cfg.ds.strategy}/ZeRO-{cfg.ds.zero_stage} in Ray workers ({placement.describe()})"
@@ -185,6 +189,7 @@ def build_trainer(cfg: RLConfig):
         device = actor_w.device
         actor = InProcessGroup(actor_w, "actor")
         ref = InProcessGroup(RefWorker(cfg, tokenizer, device), "ref") if cfg.uses_ref else None
+        teacher = build_teacher(cfg, tokenizer, device)
         critic = InProcessGroup(CriticWorker(cfg, tokenizer, plan, group_size=world), "critic") \
             if cfg.uses_critic else None
         strategy_name = f"{type(actor_w.strategy).__name__} on {device}"
@@ -221,7 +226,7 @@ def build_trainer(cfg: RLConfig):
     print(f"[rlhforge] rl: {cfg.algo.advantage.estimator} / {cfg.actor.policy_loss_type}: {len(prompts)} prompts"
           f"{f', {len(eval_prompts)} eval prompts' if eval_prompts else ''}; {plan.total_steps} steps of "
           f"{cfg.rollout.batch_size} prompts x {cfg.rollout.n_samples_per_prompt} samples, "
-          f"{plan.updates_per_step} optimizer steps each; models: actor{' + ref' if ref else ''}"
+          f"{plan.updates_per_step} optimizer steps each; models: actor{' + ref' if ref else ''}{' + teacher' if teacher else ''}"
           f"{' + critic' if critic else ''}; reward: {reward_source.name if reward_source else 'from the agent'}"
           f"{f'; agent: {executor.name}' if cfg.train.agent_func_path or cfg.env.kind != 'none' else ''}; {strategy_name}"
           f"; generation: {f'{cfg.vllm.num_engines} vLLM engine(s)' if cfg.vllm.num_engines else 'HF engine'}"
@@ -231,6 +236,7 @@ def build_trainer(cfg: RLConfig):
     trainer = RLTrainer(cfg, tokenizer, prompts, eval_prompts, plan, actor=actor, ref=ref, critic=critic,
                         engine=engine, reward_source=reward_source, logger=logger, run_dir=out, executor=executor)
     trainer.reward_group = reward_group  # closed by run()
+    trainer.teacher = teacher  # on-policy distillation (trainers/rl/distill.py); None otherwise
     return trainer
 
 
@@ -270,7 +276,7 @@ def run(cfg: RLConfig) -> Path:
         if not isinstance(trainer.actor, InProcessGroup):
             from rlhforge.distributed.launch import close_groups
 
-            close_groups(trainer.actor, trainer.ref, trainer.critic, trainer.reward_group)
+            close_groups(trainer.actor, trainer.ref, trainer.critic, trainer.reward_group, trainer.teacher)
     return Path(cfg.ckpt.output_dir)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 #: dotted config keys holding model folders / hub ids (comma-separated lists allowed: reward models)
 MODEL_PATH_KEYS = ("model.model_name_or_path", "actor.model_name_or_path", "critic.model_name_or_path",
-                   "ref.model_name_or_path", "reward.model_name_or_path")
+                   "ref.model_name_or_path", "reward.model_name_or_path", "teacher.model_name_or_path")
 #: dotted keys holding dataset specs (comma-separated entries, each ``PATH``, ``PATH@split``, ``builtin:NAME`` or a hub id)
 DATA_PATH_KEYS = ("data.dataset", "data.prompt_dataset", "eval.dataset")
 #: dotted keys that may name one local file (or hold something else: Jinja text, a URL, ``registry``)

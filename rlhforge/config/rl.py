@@ -31,6 +31,7 @@ from rlhforge.config.components import (
 from rlhforge.config.parsing import secret
 from rlhforge.config.rl_algo import AdvantageConfig, AlgoConfig, KLConfig  # noqa: F401  (re-exported)
 from rlhforge.config.rl_losses import PolicyLossParams, PolicyLossType
+from rlhforge.config.rl_distill import TeacherConfig
 from rlhforge.config.rl_train import RLTrainConfig  # noqa: F401  (re-exported; its own module for size)
 
 
@@ -340,6 +341,8 @@ class RLConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """``--teacher.*``: on-policy distillation's teacher (``--algo.advantage.estimator on_policy_distill``)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -383,6 +386,10 @@ class RLConfig:
     @property
     def uses_critic(self) -> bool:
         return self.algo.advantage.record.critic
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.algo.advantage.record.teacher
 
     @property
     def uses_ref(self) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhforge.config.rl_distill import DistillConfig
+
 __all__ = ["EstimatorRecord", "ESTIMATORS", "estimator_record", "AdvantageConfig", "KLConfig", "AlgoConfig"]
 
 
@@ -27,6 +29,8 @@ class EstimatorRecord:
     """A policy loss the estimator comes with (None: ``--actor.policy_loss_type``)."""
     loss_agg_mode: str | None = None
     """A loss aggregation the estimator comes with (None: ``--actor.loss_agg_mode``)."""
+    teacher: bool = False
+    """Needs a teacher model group (``--teacher.*``) whose log-probs of the samples feed the advantage."""
 
 
 ESTIMATORS: dict[str, EstimatorRecord] = {r.name: r for r in (
@@ -38,6 +42,7 @@ ESTIMATORS: dict[str, EstimatorRecord] = {r.name: r for r in (
     EstimatorRecord("dr_grpo", groups=True, gamma_one=True),
     EstimatorRecord("flash_reinforce", gamma_one=True, old_logprobs="rollout", policy_loss="flash_reinforce",
                     loss_agg_mode="seq_mean_token_mean"),
+    EstimatorRecord("on_policy_distill", gamma_one=True, teacher=True),
 )}
 
 
@@ -52,11 +57,11 @@ def estimator_record(name: str) -> EstimatorRecord:
 class AdvantageConfig:
     """Advantage estimation and rollout-vs-trainer importance-sampling correction."""
 
-    estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce"] = (
-        "gae"
-    )
+    estimator: Literal["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce",
+                       "on_policy_distill"] = "gae"
     """gae (PPO with a critic), reinforce (REINFORCE++), reinforce_baseline, rloo, group_norm (GRPO),
-    dr_grpo, flash_reinforce."""
+    dr_grpo, flash_reinforce, on_policy_distill (a teacher's log-probs as the reward: ``--teacher.*``,
+    ``--algo.distill.*``)."""
     gamma: float = 1.0
     """Discount factor."""
     lambd: float = 1.0
@@ -102,6 +107,8 @@ class KLConfig:
 class AlgoConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     kl: KLConfig = field(default_factory=KLConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation (``--algo.advantage.estimator on_policy_distill``; config/rl_distill.py)."""
     dynamic_filtering_enable: bool = False
     """DAPO dynamic sampling: drop prompt groups whose mean score is outside the open range; refill
     from the prompt stream until the rollout batch is full."""

@@ -25,6 +25,7 @@ from rlhforge.config.validation import (
     validate_fault_limits,
     validate_logging_steps,
 )
+from rlhforge.config.rl_distill import distill_notices, validate_distill
 from rlhforge.config.rl_losses import policy_loss_notices, validate_policy_loss
 from rlhforge.config.rl_workers import rl_strategy, uses_ray, uses_reward_model, validate_workers
 
@@ -134,6 +135,7 @@ def validate_rl(cfg) -> None:
     if cfg.actor.dual_clip is not None and cfg.actor.dual_clip <= 1:
         raise ConfigError(f"--actor.dual_clip must be > 1 (got {cfg.actor.dual_clip})")
     validate_policy_loss(cfg)  # --actor.policy_loss_type and --actor.policy_loss.* (config/rl_losses.py)
+    validate_distill(cfg)  # --teacher.* and --algo.distill.* (config/rl_distill.py)
     if cfg.train.enable_ema and not 0.0 <= cfg.train.ema_beta < 1.0:
         raise ConfigError(f"--train.ema_beta must be in [0, 1) (got {cfg.train.ema_beta}): ema = beta * ema + "
                           "(1 - beta) * weights after each optimizer step")
@@ -212,6 +214,7 @@ def no_effect_notices(cfg) -> list[str]:
         out.append("--algo.kl.unbiased_gradient has no effect without --algo.kl.use_loss and --algo.kl.init_coef > 0 "
                    "(the KL is then a reward penalty, which is not differentiated)")
     out += policy_loss_notices(cfg)
+    out += distill_notices(cfg)
     out += _frozen_model_notices(cfg)
     out += _dynamic_batch_notices(cfg)
     v = cfg.vllm

@@ -26,6 +26,8 @@ def uses_ray(cfg) -> bool:
         sizes.append(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
     if cfg.uses_ref:
         sizes.append(cfg.ref.num_nodes * cfg.ref.num_gpus_per_node)
+    if cfg.uses_teacher:
+        sizes.append(cfg.teacher.num_nodes * cfg.teacher.num_gpus_per_node)
     if uses_reward_model(cfg):
         sizes.append(cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
     return max(sizes) > 1 or bool(os.environ.get("RAY_ADDRESS"))

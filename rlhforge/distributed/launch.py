@@ -215,13 +215,19 @@ def _start_groups(cfg, tokenizer, plan, placement, pgs, device):
     actor.replica_size = cfg.ds.ring_attn_size * cfg.ds.tensor_parallel_size
     ref = group("ref", RefWorker, (cfg, tokenizer)) if "ref" in sizes else None  # a process group: ZeRO-3 shards
     reward = group("reward", RewardWorker, (cfg, tokenizer)) if "reward" in sizes else None
+    teacher = None
+    if "teacher" in sizes:  # on-policy distillation's teacher: a reference-like group (workers/teacher.py)
+        from rlhforge.workers.teacher import TeacherWorker
+
+        teacher = group("teacher", TeacherWorker, (cfg, tokenizer))
+    actor.teacher_group = teacher  # the trainer's teacher (cli/train_ppo_ray.py); closed with the others
     critic = None
     if "critic" in sizes:
         critic = group("critic", CriticWorker, (cfg, tokenizer, plan, sizes["critic"]))
-    for g in (actor, ref, critic, reward):  # all groups load their models at the same time; wait for them here
+    for g in (actor, ref, critic, reward, teacher):  # all groups load their models at the same time; wait here
         if g is not None:
             g.ready()
-    print(placement_line(actor, ref, critic, reward))
+    print(placement_line(actor, ref, critic, reward, teacher))
     return actor, ref, critic, reward
 
 

@@ -28,7 +28,7 @@ from rlhforge.config.parsing import ConfigError
 
 __all__ = ["GroupPlacement", "EnginePlacement", "PlacementPlan", "plan_placement", "plan_sizes", "plan_from_config", "check_resources"]
 
-MODELS = ("actor", "ref", "critic", "reward")
+MODELS = ("actor", "ref", "critic", "reward", "teacher")
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,8 @@ def plan_placement(sizes: dict[str, int], *, device: str, colocate_all: bool = F
     if colocate_all:
         members["all"] = list(sizes)
     else:
-        for pair, flag in ((("actor", "ref"), "colocate_actor_ref"), (("critic", "reward"), "colocate_critic_reward")):
+        for pair, flag in ((("actor", "ref"), "colocate_actor_ref"), (("actor", "teacher"), "colocate_actor_ref"),
+                           (("critic", "reward"), "colocate_critic_reward")):
             a, b = pair
             wanted = colocate_actor_ref if flag == "colocate_actor_ref" else colocate_critic_reward
             if wanted and a in sizes and b in sizes and sizes[a] != sizes[b]:
@@ -118,7 +119,7 @@ def plan_placement(sizes: dict[str, int], *, device: str, colocate_all: bool = F
                                   f"({a} {sizes[a]}, {b} {sizes[b]})")
         for name in sizes:
             key = name
-            if colocate_actor_ref and name == "ref" and "actor" in sizes:
+            if colocate_actor_ref and name in ("ref", "teacher") and "actor" in sizes:  # the teacher placed as the ref
                 key = "actor"
             if colocate_critic_reward and name == "reward" and "critic" in sizes:
                 key = "critic"
@@ -231,6 +232,8 @@ def plan_sizes(cfg) -> dict[str, int]:
         sizes["critic"] = cfg.critic.num_nodes * cfg.critic.num_gpus_per_node
     if uses_reward_model(cfg):
         sizes["reward"] = cfg.reward.num_nodes * cfg.reward.num_gpus_per_node
+    if cfg.uses_teacher:  # on-policy distillation's teacher (--teacher.*)
+        sizes["teacher"] = cfg.teacher.num_nodes * cfg.teacher.num_gpus_per_node
     return sizes
 
 

@@ -80,6 +80,9 @@ class PolicyLossSpec:
     """``--algo.kl.unbiased_gradient``: the KL term keeps its value but back-propagates
     ``w * (log pi - log pi_ref)``, ``w = pi / pi_old`` (``algorithms.kl.kl_loss_unbiased_gradient``)."""
     use_rollout_logprobs_as_old: bool = False
+    distill_topk_coef: float = 0.0
+    """On-policy distillation's ``forward_kl_topk`` mode: weight of the forward KL over the teacher's top-k
+    (the samples carry the teacher's ids and log-probs; :mod:`rlhforge.workers.distill`); 0: off."""
     old_from_this_forward: bool = False
     """pi_old = this forward's detached log-probs (ratio 1 by construction): set by the trainer when the
     rollout feeds exactly one optimizer step with nothing else needing pi_old first, so the separate
@@ -170,11 +173,18 @@ class ActorWorker(TrainableWorker):
         """One micro-batch's share of the step's policy loss (+ entropy bonus, KL loss, MoE balancing loss)
         and its totals: the loss terms dp-scaled, the rest token-share weighted (:func:`reduce_step_metrics`)."""
         batch = self._experience(chunk)
-        logp, entropy, *aux = self._token_logprobs(batch, spec.temperature, return_entropy=True,
-                                                   entropy_grad=bool(spec.entropy_coef),
-                                                   return_aux_loss=bool(self.aux_loss_coef))
+        topk = {"return_logits": True} if spec.distill_topk_coef > 0 else {}  # the student's logits at top-k ids
+        logp, *rest = self._token_logprobs(batch, spec.temperature, return_entropy=True,
+                                           entropy_grad=bool(spec.entropy_coef),
+                                           return_aux_loss=bool(self.aux_loss_coef), **topk)
+        distill = []
+        if topk:  # on-policy distillation, forward_kl_topk (workers/distill.py)
+            from rlhforge.workers.distill import distill_topk_term
+
+            distill = [distill_topk_term(rest.pop(0), batch, chunk, spec.temperature)]
+        entropy, *aux = rest
         if self.packed:  # one row per sample: sequence-level terms (seq-mean modes, GSPO) need samples
-            batch, logp, entropy = packed_as_rows(batch, logp, entropy)
+            batch, logp, entropy, *distill = packed_as_rows(batch, logp, entropy, *distill)
         mask = batch["loss_mask"]
         gap_metrics = {}
         if spec.use_rollout_logprobs_as_old:
@@ -199,6 +209,10 @@ class ActorWorker(TrainableWorker):
             kl_term = norm.aggregate(kl_tok, mask, spec.agg_mode)
             loss = loss + spec.kl_loss_coef * kl_term
             totals["kl_loss"] = float(kl_term.detach())
+        if distill:  # forward KL over the teacher's top-k (algorithms.distillation.forward_kl_topk)
+            fkl = norm.aggregate(distill[0], mask, spec.agg_mode)
+            loss = loss + spec.distill_topk_coef * fkl
+            metrics = {**metrics, "distill_forward_kl": (distill[0].detach() * mask).sum() / mask.sum().clamp_min(1)}
         if aux:  # as OpenRLHF: coef x the micro-batch's balancing loss; the step's mean over micro-batches
             loss = loss + self.aux_loss_coef * aux[0] / passes
             totals["aux_loss"] = float(aux[0].detach()) / passes
@@ -329,7 +343,9 @@ class RefWorker:
     """``--train.dynamic_batch_enable``: token budget of a log-prob micro-batch (None: fixed micro-batches)."""
     image_token_id = None  # a vision-language reference's image token
 
-    def __init__(self, cfg, tokenizer, device=None):
+    def __init__(self, cfg, tokenizer, device=None, *, model_path: str | None = None, offload: bool | None = None):
+        """``model_path`` / ``offload``: another frozen model (on-policy distillation's teacher,
+        :class:`rlhforge.workers.teacher.TeacherWorker`); default the actor's folder and ``--ref.offload``."""
         from rlhforge.backend.device import dist_info, resolve_device
         from rlhforge.backend.frozen import FrozenModel
         from rlhforge.config.components import LoraConfig
@@ -339,9 +355,10 @@ class RefWorker:
         device = device if device is not None else resolve_device(cfg.train.device, dist_info().local_rank)
         ds = dataclasses.replace(cfg.ds, lora=LoraConfig(), load_in_4bit=False)
         model_cfg = dataclasses.replace(cfg.actor, gradient_checkpointing_enable=False)
-        model = load_policy(cfg.actor.model_name_or_path, model_cfg, ds, device, tokenizer)
+        model = load_policy(model_path or cfg.actor.model_name_or_path, model_cfg, ds, device, tokenizer)
         self.image_token_id = image_token_of(tokenizer)
-        self.frozen = FrozenModel(model, ds, device, kind=actor_strategy_kind(cfg), offload=cfg.ref.offload)
+        self.frozen = FrozenModel(model, ds, device, kind=actor_strategy_kind(cfg),
+                                  offload=cfg.ref.offload if offload is None else offload)
         self.tokenizer, self.device, self.packed = tokenizer, device, cfg.ds.packing_samples
         self.pass_tokens = cfg.token_budgets()[1]
 

@@ -19,6 +19,7 @@ def test_records_say_what_each_estimator_needs():
     assert [n for n, r in ESTIMATORS.items() if r.critic] == ["gae"]
     assert {n for n, r in ESTIMATORS.items() if r.groups} == {"rloo", "reinforce_baseline", "group_norm", "dr_grpo"}
     assert {n for n, r in ESTIMATORS.items() if not r.gamma_one} == {"gae", "reinforce"}
+    assert [n for n, r in ESTIMATORS.items() if r.teacher] == ["on_policy_distill"]
     flash = AdvantageConfig(estimator="flash_reinforce").record
     assert (flash.old_logprobs, flash.policy_loss, flash.loss_agg_mode) == ("rollout", "flash_reinforce",
                                                                             "seq_mean_token_mean")

@@ -43,6 +43,8 @@ RL_BASE = ["--actor.model_name_or_path", MISSING, "--data.prompt_dataset", "buil
 
 RL_REFUSED = [
     "--ds.deepcompile", "--ds.use_liger_kernel", "--use_ms",
+    # on-policy distillation's teacher without --algo.advantage.estimator on_policy_distill
+    "--teacher.model_name_or_path",
 ]
 RL_NOTICE = [
     # always in this project
@@ -73,6 +75,9 @@ RL_NOTICE = [
         "cispo_eps_low", "cispo_eps_high", "sapo_tau_pos", "sapo_tau_neg", "dppo_delta_low", "dppo_delta_high",
         "dppo_ratio_cap", "dro_beta", "gmpo_eps_low", "gmpo_eps_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
         "kl_cov_ratio", "ppo_kl_coef")],
+    # without --algo.advantage.estimator on_policy_distill (config/rl_distill.py)
+    *[f"--algo.distill.{name}" for name in ("mode", "coef", "env_reward_coef", "discount", "topk")],
+    "--teacher.num_nodes", "--teacher.num_gpus_per_node", "--teacher.offload",
 ]
 #: values for flags whose automatic non-default value would not show the point
 RL_VALUES = {"--ds.experts_implementation": ["eager"], "--ds.grad_accum_dtype": ["fp32"], "--vllm.sync_backend": ["gloo"],
@@ -117,6 +122,7 @@ PROOFS = {
     "--reward.num_gpus_per_node": "tests/distributed/test_reward_group.py",  # a 2-rank Ray reward group
     "--train.colocate_critic_reward": "tests/distributed/test_reward_group.py",
     "--actor.policy_loss_type": "tests/rl/test_rl_losses.py",  # each loss trains 2 steps, its metric logged
+    "--algo.advantage.estimator": "tests/rl/test_opd.py",  # on_policy_distill: the reward is the teacher gap
 }
 
 

@@ -18,6 +18,7 @@ from rlhforge.workers.experience import ExperienceSample, pad_rows, samples_from
 from rlhforge.trainers.rl.metrics import check_tokens
 
 __all__ = ["RLExperience"]
+from rlhforge.trainers.rl.distill import needs_student_logprobs, teacher_experience
 
 
 class RLExperience:
@@ -26,6 +27,8 @@ class RLExperience:
 
     def shaped_rewards(self, trajs) -> torch.Tensor:
         cfg = self.cfg.reward
+    teacher = None  # on-policy distillation's teacher group (trainers/rl/distill.py), set by the CLI
+
         r = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         if cfg.overlong_buffer_len is not None:
             lengths = torch.tensor([t.response_length for t in trajs])
@@ -78,9 +81,13 @@ class RLExperience:
         adv, ret = compute_advantages(
             est, rewards, mask, values=values, kl=kl if use_penalty else None,
             kl_coef=self.kl_ctl.value if use_penalty else 0.0,
+        distill_kwargs = {}  # on-policy distillation: the teacher's scores (trainers/rl/distill.py)
+        if self.teacher is not None:
+            distill_kwargs, distill_metrics = teacher_experience(cfg, self.teacher, samples, old_lp, mask)
+            metrics.update(distill_metrics)
             reward_clip=tuple(cfg.reward.clip_range) if cfg.reward.clip_range is not None else None,
             n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, gamma=self.gamma, lam=adv_cfg.lambd,
-            whiten_std=not adv_cfg.no_std_norm,
+            whiten_std=not adv_cfg.no_std_norm, **distill_kwargs,
         )
         for s, a, r in zip(samples, unpad_rows(adv, lengths), unpad_rows(ret, lengths)):
             s.tensors["advantages"], s.tensors["returns"] = a, r
@@ -112,4 +119,5 @@ class RLExperience:
         cfg = self.cfg
         actor_frozen = self.critic is not None and self.state.global_step < cfg.critic.freezing_steps
         return (num_samples <= cfg.train.batch_size and cfg.train.max_epochs == 1 and self.ref is None
-                and cfg.algo.advantage.is_correction_level == "off" and not actor_frozen)
+                and cfg.algo.advantage.is_correction_level == "off" and not actor_frozen
+                and not needs_student_logprobs(cfg))

@@ -48,6 +48,7 @@ from rlhforge.trainers.rl.checkpoints import RLCheckpointing, RLState, rl_guard
 from rlhforge.trainers.rl.prompts import GroupBuffer, PromptStream, gather_groups
 from rlhforge.trainers.rl.metrics import eval_metrics, version_lag
 from rlhforge.trainers.rl.experience import RLExperience
+from rlhforge.trainers.rl.distill import distill_topk_coef
 from rlhforge.workers.actor import PolicyLossSpec
 from rlhforge.tracking.progress import Progress, progress_enabled
 
@@ -125,7 +126,7 @@ class RLTrainer(RLCheckpointing, RLExperience):  # checkpoints.py: checkpoints, 
             temperature=cfg.rollout.temperature, entropy_coef=a.entropy_coef or 0.0,
             kl_loss_coef=self._kl_loss_coef(), kl_estimator=cfg.algo.kl.estimator,
             kl_unbiased_gradient=cfg.algo.kl.unbiased_gradient,
-            use_rollout_logprobs_as_old=est.old_logprobs == "rollout",
+            use_rollout_logprobs_as_old=est.old_logprobs == "rollout", distill_topk_coef=distill_topk_coef(cfg),
         )
 
     def _kl_loss_coef(self) -> float:

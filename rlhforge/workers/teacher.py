@@ -1,0 +1,55 @@
+"""On-policy distillation's teacher (docs/algorithms.md, "On-policy distillation"): the frozen teacher, a
+:class:`~rlhforge.workers.actor.RefWorker` over ``--teacher.model_name_or_path``, so it is built, sharded,
+offloaded and placed as the reference is. Its ``logprobs`` score the sampled tokens (``reverse_kl`` mode),
+:meth:`TeacherWorker.topk_logprobs` its ``k`` most likely tokens at every generated position
+(``forward_kl_topk`` mode): ``[len, k]`` per sample, ids int32 and log-probs fp32, 0 off the action tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rlhforge.algorithms.distillation import shifted_topk_logprobs
+from rlhforge.models.forward import token_logprobs
+from rlhforge.workers.actor import RefWorker
+from rlhforge.workers.base import to_device
+from rlhforge.workers.distill import sample_rows
+from rlhforge.workers.experience import ExperienceSample, collate_experience
+from rlhforge.workers.micro_batches import micro_batch_groups
+
+__all__ = ["TeacherWorker"]
+
+
+class TeacherWorker(RefWorker):
+    """The teacher: the reference worker's machinery over ``--teacher.model_name_or_path``."""
+
+    def __init__(self, cfg, tokenizer, device=None):
+        super().__init__(cfg, tokenizer, device, model_path=cfg.teacher.model_name_or_path,
+                         offload=cfg.teacher.offload)
+
+    @torch.no_grad()
+    def topk_logprobs(self, samples: Sequence[ExperienceSample], micro_batch_size: int, temperature: float,
+                      k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sample ``(ids [len, k] int32, logprobs [len, k] fp32)``: row ``t`` holds the teacher's ``k`` most
+        likely candidates for token ``t`` (at ``temperature``), zeros where ``t`` is not an action token."""
+        from rlhforge.backend.device import dist_info
+        from rlhforge.backend.strategy import all_reduce_tensor
+
+        out: list = [None] * len(samples)
+        world = dist_info().world_size
+        groups = micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
+                                    lambda t, op: all_reduce_tensor(t, op, world))
+        with self.frozen.use() as model:
+            for idx in groups:
+                chunk = [samples[i] for i in idx]
+                batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
+                                                     image_token_id=self.image_token_id), self.device)
+                _, logits = token_logprobs(model, batch, temperature, return_logits=True)
+                ids, lps = shifted_topk_logprobs(logits, k, temperature)
+                keep = batch["loss_mask"].bool()[..., None]
+                ids, lps = (ids * keep).to(torch.int32).cpu(), (lps * keep).float().cpu()
+                for i, row_ids, row_lps in zip(idx, sample_rows(ids, batch, chunk), sample_rows(lps, batch, chunk)):
+                    out[i] = (row_ids, row_lps)
+        return out
