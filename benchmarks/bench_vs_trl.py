@@ -55,6 +55,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_bare import (peak_rss_gb, read_jsonl, run_bare, wait_with_peak, write_dpo,  # noqa: E402
                         write_sft)
+from bench_phases import flop_limit, flop_params, matmul_gflops, median_phases, print_phases, step_phases  # noqa: E402
 
 HEADLINE = {"sft": [{"batch": 8, "max_len": 128}], "dpo": [{"batch": 8, "max_len": 128}],
             "grpo": [{"prompts": 4, "samples": 4, "new_tokens": 64}]}
@@ -152,6 +153,22 @@ def run_trl(work: str, model_dir: str, data: str | None, point: dict, steps: int
     return {"step_end_times": marks, "version": trl.__version__, "peak_rss_gb": peak_rss_gb(), **extra}
 
 
+def peer_versions(python: str) -> dict:
+    """``{"python": path, "python_version", "torch", "transformers", "trl"}`` of the interpreter ``python``
+    (a package it lacks: None), asked in a child process so that its own environment answers."""
+    probe = ("import json, sys\nout = {'python_version': sys.version.split()[0]}\n"
+             "for name in ('torch', 'transformers', 'trl'):\n"
+             "    try:\n        out[name] = __import__(name).__version__\n"
+             "    except ImportError:\n        out[name] = None\nprint(json.dumps(out))")
+    try:
+        res = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300, check=True,
+                             env={**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
+        found = json.loads(res.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        raise ValueError(f"--trl-python {python}: cannot ask it for its versions ({e})") from e
+    return {"python": python, **found}
+
+
 # ------------------------------------------------------------------------------------------ rlhforge side
 def rlhforge_command(side: str, work: str, model_dir: str, data: str | None, point: dict, steps: int,
                      out_dir: str, precision: str = "fp32") -> list[str]:
@@ -193,23 +210,24 @@ def rlhforge_result(out_dir: str, work: str) -> dict:
     if work == "grpo":
         lengths = [r["rollout/response_length"] for r in records if "rollout/response_length" in r]
         extra["mean_response_length"] = sum(lengths) / max(len(lengths), 1)
-        split = {k: sum(r.get(f"timing/{k}", 0.0) for r in records[1:]) / max(len(records) - 1, 1)
-                 for k in ("generation", "make_experience", "ppo_train", "step_total")}
-        extra["timing_mean_after_first"] = split
+        extra["phases_per_step"] = step_phases(records)  # bench_phases.py: the step's split
     return {"step_end_times": [r["time"] for r in records], **extra}
 
 
 # ------------------------------------------------------------------------------------------ one run
 def run_side(side: str, work: str, model_dir: str, data: str | None, point: dict, steps: int, tmp: Path,
-             threads: int, timeout: float, trl_checkpointing: bool = False, precision: str = "fp32") -> dict:
-    """One side in its own process: step-end times, time to first step, peak RSS of that process."""
+             threads: int, timeout: float, trl_checkpointing: bool = False, precision: str = "fp32",
+             trl_python: str | None = None) -> dict:
+    """One side in its own process: step-end times, time to first step, peak RSS of that process. The TRL
+    side runs under ``trl_python`` (its own environment; None: this interpreter)."""
     run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{side}_{work}_"))
     env = {**os.environ, "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": str(threads), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     if side.startswith("rlhforge"):
         cmd = rlhforge_command(side, work, model_dir, data, point, steps, str(run_dir), precision)
     else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--work", work, "--point",
+        python = trl_python if side == "trl" and trl_python else sys.executable
+        cmd = [python, str(Path(__file__).resolve()), "--child", side, "--work", work, "--point",
                json.dumps(point), "--model", model_dir, "--steps", str(steps), "--threads", str(threads),
                "--result", str(run_dir / "result.json"), "--child-dir", str(run_dir), "--precision", precision]
         if trl_checkpointing and side == "trl":
@@ -243,7 +261,9 @@ def summarise(runs: list[dict], warmup: int) -> dict:
         m = r["step_end_times"]
         r["seconds_per_step"] = (m[-1] - m[warmup - 1]) / (len(m) - warmup)
     best = min(good, key=lambda r: r["seconds_per_step"])
-    out = {k: v for k, v in best.items() if k != "step_end_times"}
+    out = {k: v for k, v in best.items() if k not in ("step_end_times", "phases_per_step")}
+    if best.get("phases_per_step"):  # entry i is the interval ending at step i + 2: skip the warm-up's
+        out["phases_s"] = median_phases(best["phases_per_step"], warmup - 1)
     out["seconds_per_step_all_rounds"] = [r["seconds_per_step"] for r in good]
     out["time_to_first_step_s"] = min(r["time_to_first_step_s"] for r in good)
     out["peak_rss_gb"] = min(r["peak_rss_gb"] for r in good)
@@ -340,6 +360,10 @@ def main(argv=None) -> int:
                         help="bf16: every side trains under bf16 autocast with fp32 weights (TRL bf16=True, rlhforge "
                         "--ds.param_dtype bf16, the bare loop's forwards under torch.autocast); results default to "
                         "vs_trl_bf16.json / vs_trl_sweep_bf16.json")
+    parser.add_argument("--trl-python", metavar="PATH", default=None,
+                        help="the Python interpreter that runs the TRL side (e.g. a venv with TRL and its own "
+                        "transformers: /work/trl-venv/bin/python); default: this interpreter. Its python/torch/"
+                        "transformers/trl versions are recorded in the results' setup.trl_env")
     parser.add_argument("--child", choices=("trl", "bare"), help=argparse.SUPPRESS)
     for name in ("--point", "--model", "--data", "--result", "--child-dir"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -363,21 +387,26 @@ def main(argv=None) -> int:
     out = Path(args.out or HERE / "results" / (("vs_trl_quick" if args.quick else "vs_trl_sweep" if args.sweep
                                                 else "vs_trl") + suffix + ".json"))
     try:
-        import trl
-
-        trl_version = trl.__version__
-    except ImportError:
-        trl_version = None
-        print("trl is not installed (pip install -e '.[bench]'): running rlhforge and bare only")
+        trl_env = peer_versions(args.trl_python or sys.executable)
+    except ValueError as e:
+        parser.error(str(e))  # exit 2, before anything runs
+    trl_version = trl_env.get("trl")
+    if trl_version is None:
+        print(f"trl is not installed for {trl_env['python']} (pip install -e '.[bench]', or --trl-python PATH): "
+              "running rlhforge and bare only")
     results = {"setup": {"model": MODELS[args.model_preset], "model_preset": args.model_preset, "device": "cpu",
                          "threads": args.threads, "cpus": os.cpu_count(), "steps_timed": steps, "warmup": warmup,
-                         "rounds": rounds, "trl": trl_version, "lr": LR, "quick": args.quick,
+                         "rounds": rounds, "trl": trl_version, "trl_env": trl_env, "lr": LR, "quick": args.quick,
                          "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
-                         "precision": args.precision}, "points": []}
+                         "precision": args.precision, "load_average_at_start": list(os.getloadavg())},
+               "points": []}
     total = steps + warmup
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = str(build_model(tmp / "model", args.model_preset))
+        hidden = json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"]
+        params, gflops = flop_params(model_dir), matmul_gflops(hidden, args.threads)
+        results["setup"].update(flop_params=params, matmul_gflops=gflops)
         for work in args.work:
             sides = ["trl", "rlhforge"] + (["rlhforge_packed"] + (["rlhforge_vllm", "rlhforge_vllm_packed"] if args.vllm else [])
                                            if work == "grpo" else []) + ["bare"]
@@ -392,9 +421,15 @@ def main(argv=None) -> int:
                     for side in sides if r % 2 == 0 else sides[::-1]:
                         print(f"[{work} {label(point)}] round {r + 1}/{rounds}: {side}", flush=True)
                         runs[side].append(run_side(side, work, model_dir, data, point, total, tmp, args.threads,
-                                                   args.timeout, args.trl_gradient_checkpointing, args.precision))
-                results["points"].append({"work": work, "point": point,
-                                          "sides": {s: summarise(v, warmup) for s, v in runs.items()}})
+                                                   args.timeout, args.trl_gradient_checkpointing, args.precision,
+                                                   args.trl_python))
+                summary = {s: summarise(v, warmup) for s, v in runs.items()}
+                for r in summary.values():  # the arithmetic floor of the rlhforge sides' GRPO step
+                    if r.get("phases_s"):
+                        r["flop_limit"] = flop_limit(r["phases_s"], params, gflops,
+                                                     old_pass=r["phases_s"]["old_logprobs"] > 1e-3,
+                                                     reference=r["phases_s"]["reference"] > 1e-3)
+                results["points"].append({"work": work, "point": point, "sides": summary})
     try:
         results["setup"]["load_average_1min_at_end"] = os.getloadavg()[0]
     except OSError:  # pragma: no cover
@@ -402,6 +437,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
+    print_phases(results)
     png = plot_path(out)
     if plot(results, png):
         print(f"wrote {png}")

@@ -8,6 +8,7 @@ and log-probs unchanged.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,6 +39,7 @@ class SingleTurnExecutor:
         # --train.check_tokens: record each generation call (Trajectory.engine_turns) for the token
         # checker (agents.token_check); off, engine_turns stays None, as with the other executors
         self.check_tokens = check_tokens
+        self.reward_seconds = 0.0  # time in score(), summed over calls (the RL step's timing/reward)
 
     async def execute(self, request: PromptRequest, sampling: SamplingParams, engine) -> Trajectory:
         return (await self.execute_batch([request], [sampling], engine))[0]
@@ -84,5 +86,7 @@ class SingleTurnExecutor:
                             ) -> list[Trajectory]:
         trajs = await self.generate(requests, sampling, engine)
         if trajs:
+            t = time.perf_counter()
             await self.score(trajs)
+            self.reward_seconds += time.perf_counter() - t
         return trajs

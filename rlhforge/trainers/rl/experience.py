@@ -11,6 +11,8 @@ is): it reads ``cfg``, ``actor``, ``ref``, ``critic``, ``kl_ctl``, ``gamma``, ``
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rlhforge.algorithms import compute_advantages, compute_kl, is_correction, overlong_penalty, stop_properly_penalty
@@ -50,6 +52,7 @@ class RLExperience:
                   f"({checked['rollout/tokens_checked_turns']:.0f} engine turns) match what the engine saw and "
                   "produced, token for token; checked every step (rollout/tokens_checked_*)", flush=True)
         mb, temp = cfg.rollout.micro_batch_size, cfg.rollout.temperature
+        clock = [time.perf_counter()]  # the phases' split (timing/old_logprobs, reference, values)
         self.old_from_update = self._old_equals_update(len(samples))
         if self.old_from_update:  # pi_old = the update's own forward (ratio 1): no separate pass
             for s in samples:
@@ -57,17 +60,21 @@ class RLExperience:
         else:
             for s, lp in zip(samples, self.actor.map_gather("logprobs", samples, mb, temp)):
                 s.tensors["old_logprobs"] = lp
+        clock.append(time.perf_counter())
         if self.ref is not None:
             for s, lp in zip(samples, self.ref.map_gather("logprobs", samples, mb, temp)):
                 s.tensors["ref_logprobs"] = lp
+        clock.append(time.perf_counter())
         if self.critic is not None:
             for s, v in zip(samples, self.critic.map_gather("values", samples, mb)):
                 s.tensors["values"] = v
+        clock.append(time.perf_counter())
         lengths = [len(s) for s in samples]
         mask = pad_rows([torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples])
         old_lp = pad_rows([s.tensors["old_logprobs"] for s in samples])
         roll_lp = pad_rows([s.tensors["rollout_logprobs"] for s in samples])
         metrics: dict[str, float] = dict(checked)
+        metrics.update({f"timing/{k}": b - a for k, a, b in zip(("old_logprobs", "reference", "values"), clock, clock[1:])})
         kl = None
         if self.ref is not None:
             ref_lp = pad_rows([s.tensors["ref_logprobs"] for s in samples])

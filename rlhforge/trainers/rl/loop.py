@@ -280,6 +280,7 @@ class RLTrainer(RLCheckpointing, RLExperience):  # checkpoints.py: checkpoints, 
             return bool(dynamic_filter(torch.tensor([t.score for t in group]), n, lo, hi)[0])
 
         self._wake_engine()  # oversampling buffer and its resume accounting: trainers/rl/prompts.py
+        reward_s = getattr(self.executor, "reward_seconds", None)  # executors that time their reward calls
         got = gather_groups(self.stream, self.rollout_buffer, need=need, round_size=cfg.rollout.vllm_generate_batch_size,
                             generate=generate, accept=accept if cfg.algo.dynamic_filtering_enable else None,
                             max_refills=cfg.algo.max_filter_refills)
@@ -317,6 +318,8 @@ class RLTrainer(RLCheckpointing, RLExperience):  # checkpoints.py: checkpoints, 
         for key in sorted({k for t in all_trajs for k in t.extra}):
             metrics[f"rollout/{key}"] = _mean(float(t.extra.get(key, 0.0)) for t in all_trajs)
         metrics.update(getattr(self.engine, "step_metrics", dict)())  # engine actors: restarts, requests each
+        if reward_s is not None:  # the part of timing/generation spent scoring
+            metrics["timing/reward"] = self.executor.reward_seconds - reward_s
         return trajs, metrics, self.stream.position, self.rollout_buffer.positions()
 
     # ------------------------------------------------------------------------------------ experience
