@@ -18,6 +18,7 @@ engine.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Sequence
 
 import torch
@@ -51,8 +52,49 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def tensor_checksum(t: torch.Tensor) -> tuple[int, int]:
-    """``(sum, position-weighted sum)`` of ``t``'s bytes as words, each modulo 2**64 (device-independent)."""
+def _state(t: torch.Tensor) -> tuple | None:
+    """What identifies ``t``'s contents as they are now: its storage, layout and version counter (every
+    in-place write through torch bumps it); None for tensors without one (inference tensors)."""
+    try:
+        return t._version, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device
+    except RuntimeError:
+        return None
+
+
+#: ``id(tensor) -> (weak reference, _state, checksum)`` of the last checksums computed (one sync's worth)
+_SEEN: dict[int, tuple] = {}
+
+
+def _remember(t: torch.Tensor, state: tuple | None, sums: tuple[int, int]) -> None:
+    if state is None:
+        return
+    if len(_SEEN) > 4096:  # keep only the live ones (a sync's tensors and an engine's parameters)
+        for k in [k for k, (ref, _, _) in _SEEN.items() if ref() is None]:
+            del _SEEN[k]
+    try:
+        _SEEN[id(t)] = (weakref.ref(t), state, sums)
+    except TypeError:  # pragma: no cover - tensors take weak references
+        pass
+
+
+def tensor_checksum(t: torch.Tensor, reuse: bool = False) -> tuple[int, int]:
+    """``(sum, position-weighted sum)`` of ``t``'s bytes as words, each modulo 2**64 (device-independent).
+
+    ``reuse``: the same tensor object checksummed before, unchanged since (same storage, layout and version
+    counter), gives that result without reading it again. Only for tensors written through torch's own
+    ops (a write through ``.data`` or a collective into a reused buffer may leave the counter as it was):
+    the in-process HF engine's own parameters and the state dicts handed to it."""
+    state = _state(t)
+    if reuse and state is not None:
+        seen = _SEEN.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == state:
+            return seen[2]
+    sums = _checksum(t)
+    _remember(t, state, sums)
+    return sums
+
+
+def _checksum(t: torch.Tensor) -> tuple[int, int]:
     w = _words(t)
     s1 = s2 = 0
     pos = _weights(w.device, _CHUNK)
@@ -68,11 +110,12 @@ class Fingerprint:
     """Order-free fingerprint of named tensors, added as they stream past (nothing is kept but one short
     line per tensor)."""
 
-    def __init__(self):
+    def __init__(self, reuse: bool = False):
         self.parts: dict[str, str] = {}
+        self.reuse = reuse  # tensor_checksum(reuse=)
 
     def add(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        s1, s2 = tensor_checksum(t)
+        s1, s2 = tensor_checksum(t, self.reuse)
         self.parts[name] = f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|{s1}|{s2}"
         return t
 
@@ -83,18 +126,20 @@ class Fingerprint:
         return hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(self.parts.items())).encode()).hexdigest()
 
 
-def state_fingerprint(named) -> str:
-    """:class:`Fingerprint` of a state dict (or of (name, tensor) pairs): equal weights, equal print."""
-    fp = Fingerprint()
+def state_fingerprint(named, reuse: bool = False) -> str:
+    """:class:`Fingerprint` of a state dict (or of (name, tensor) pairs): equal weights, equal print
+    (``reuse``: :func:`tensor_checksum`'s)."""
+    fp = Fingerprint(reuse)
     for name, t in (named.items() if isinstance(named, dict) else named):
         fp.add(name, t)
     return fp.hexdigest()
 
 
-def params_checksum(module: torch.nn.Module) -> str:
+def params_checksum(module: torch.nn.Module, reuse: bool = False) -> str:
     """Fingerprint of a module's own parameters and buffers as they are now (an engine's model, whose
-    names and layout may differ from the trainer's: only compared with itself before and after a load)."""
-    fp = Fingerprint()
+    names and layout may differ from the trainer's: only compared with itself before and after a load;
+    ``reuse``: :func:`tensor_checksum`'s)."""
+    fp = Fingerprint(reuse)
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if t.device.type != "meta":
             fp.add(name, t)

@@ -141,13 +141,14 @@ class HFEngine:
         from rlhforge.backend.fingerprint import SyncReport, params_checksum, state_fingerprint
 
         state = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        with self._lock:
-            before = params_checksum(self.model)
+        with self._lock:  # reuse: what was checksummed before and is unchanged since is not read again (the
+            # sender's fingerprint of these very tensors in this process; the parameters as the last load left them)
+            before = params_checksum(self.model, reuse=True)
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             self.weight_updates += 1
             previous = self._report["fingerprint"] if self._report else None
-            self._report = SyncReport(fingerprint=state_fingerprint(state), tensors=len(state), previous=previous,
-                                      params_changed=params_checksum(self.model) != before)
+            self._report = SyncReport(fingerprint=state_fingerprint(state, reuse=True), tensors=len(state),
+                                      previous=previous, params_changed=params_checksum(self.model, reuse=True) != before)
         missing = [k for k in missing if k in dict(self.model.named_parameters())]
         if missing or unexpected:
             raise ValueError(f"weight sync: missing {missing[:5]}, unexpected {unexpected[:5]} (of {len(state)} tensors)")
@@ -158,17 +159,29 @@ class HFEngine:
         """The last sync's report (rlhforge.backend.fingerprint.SyncReport), as the other engines give it."""
         return [("HF engine", [dict(self._report) if self._report else None])]
 
+    #: padded tokens of one probe forward (the probe is ``train.sync_probe_tokens``, 128 by default, long)
+    PROBE_BATCH_TOKENS = 128
+
     @torch.no_grad()
     def probe_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[tuple[str, list[list[float]]]]:
         """The post-sync check's scoring (rlhforge.backend.sync_probe): for each sequence, the log-prob of
         every token after the first under the engine's weights as they are now (temperature 1, no
-        filtering; one plain forward per sequence)."""
-        rows = []
+        filtering). Sequences go through plain forwards a few at a time (:func:`probe_batches`), padded on
+        the right: a causal model's real tokens never see the padding after them."""
+        rows: list[list[float] | None] = [None] * len(prompts)
         with self._lock:
-            for ids in prompts:
-                x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-                logits = self.model(input_ids=x).logits[0, :-1].float()
-                rows.append(torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu().tolist())
+            for group in probe_batches([len(p) for p in prompts], self.PROBE_BATCH_TOKENS):
+                width = max(len(prompts[i]) for i in group)
+                x = torch.full((len(group), width), self.pad_token_id, dtype=torch.long, device=self.device)
+                mask = torch.zeros_like(x)
+                for r, i in enumerate(group):
+                    x[r, : len(prompts[i])] = torch.tensor(list(prompts[i]), dtype=torch.long)
+                    mask[r, : len(prompts[i])] = 1
+                logits = self.model(input_ids=x, attention_mask=mask if len(group) > 1 else None).logits
+                for r, i in enumerate(group):
+                    n = len(prompts[i])
+                    lp = torch.log_softmax(logits[r, : n - 1].float(), -1).gather(-1, x[r, 1:n, None])[:, 0]
+                    rows[i] = lp.cpu().tolist()
         return [("HF engine", rows)]
 
     def sleep(self) -> None:  # nothing to release: the copy lives in host memory on CPU
@@ -356,6 +369,21 @@ def _attention_only(model) -> bool:
     config = model.config.get_text_config(decoder=True)
     types = getattr(config, "layer_types", None) or ()
     return all(t in ("full_attention", "sliding_attention", "chunked_attention") for t in types)
+
+
+def probe_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of ``lengths`` in groups, in order, each group's ``rows x longest`` at most ``budget`` (a
+    sequence longer than that goes alone)."""
+    groups: list[list[int]] = []
+    width = 0
+    for i, n in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(width, n) <= budget:
+            groups[-1].append(i)
+            width = max(width, n)
+        else:
+            groups.append([i])
+            width = n
+    return groups
 
 
 def _vision_kwargs(tokenizer) -> dict:
