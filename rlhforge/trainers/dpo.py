@@ -132,8 +132,9 @@ def _sequence_logps(model, batch, with_aux: bool = False, ring=None) -> tuple[Te
 
         logps, aux = ring_token_logprobs(model, batch, ring), ()
     else:
-        # a pair's chosen and rejected share their prompt: computed once (rlhforge.models.shared_prefix)
-        out = token_logprobs(model, batch, return_aux_loss=with_aux, share_prefixes=True)
+        # a pair's chosen and rejected share their prompt: computed once (rlhforge.models.shared_prefix);
+        # the lm_head runs on the response tokens only (the only ones summed or read)
+        out = token_logprobs(model, batch, return_aux_loss=with_aux, share_prefixes=True, needed=batch["loss_mask"])
         logps, aux = (out[0], out[1:]) if with_aux else (out, ())
     packed = batch.get("attention_mask") is None
     sums = sequence_logprob_sums(logps, batch["loss_mask"], batch["seq_lens"] if packed else None)

@@ -1,6 +1,7 @@
-"""Issue 42's cuts of an RL step's overheads give the numbers of the paths they replace: the HF engine's
+"""Issue 42's cuts of a step's overheads give the numbers of the paths they replace: the HF engine's
 post-sync probe scores its sequences a few per forward (right-padded) and equals one forward per
-sequence; the grouping of the probe is hand-checked."""
+sequence (the grouping hand-checked); a reused weight checksum equals a fresh read after any write; DPO's
+lm_head on the response tokens only gives the sums and gradients of the head on every position."""
 
 import pytest
 import torch
@@ -73,3 +74,33 @@ def test_a_sync_into_the_hf_engine_reports_what_a_full_read_finds(engine):
         next(engine.model.parameters()).add_(1.0)  # a write outside a load is seen by the next checksum
     assert params_checksum(engine.model, reuse=True) == params_checksum(engine.model)
 
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_dpo_log_probs_on_response_tokens_only_equal_the_full_head(tiny_model_dir, packed):
+    """DPO's sums and response token log-probs (policy and reference) with the lm_head on the response
+    tokens only (``needed=loss_mask``) equal those of the head on every position; gradients too."""
+    from rlhforge.data.preference import PreferenceSample, collate_pairs
+    from rlhforge.models.forward import sequence_logprob_sums, token_logprobs
+    from rlhforge.trainers.dpo import _sequence_logps
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    vocab = model.config.vocab_size
+
+    def pair(prompt, chosen, rejected):
+        p = torch.randint(2, vocab, (prompt,), generator=g).tolist()
+        c, r = (torch.randint(2, vocab, (n,), generator=g).tolist() for n in (chosen, rejected))
+        return PreferenceSample(p + c, [0] * prompt + [1] * chosen, p + r, [0] * prompt + [1] * rejected,
+                                prompt_len=prompt)
+
+    batch = collate_pairs([pair(12, 5, 9), pair(7, 11, 3), pair(20, 4, 4)], 0, packed=packed)
+    sums, token_lp, mask = _sequence_logps(model, batch)
+    full = token_logprobs(model, batch, share_prefixes=True)  # the head on every position (the former path)
+    want = sequence_logprob_sums(full, batch["loss_mask"], batch["seq_lens"] if packed else None)
+    torch.testing.assert_close(sums, want, rtol=0, atol=1e-5)
+    (grad,) = torch.autograd.grad(sums.sum(), [model.get_output_embeddings().weight])
+    (want_grad,) = torch.autograd.grad(want.sum(), [model.get_output_embeddings().weight])
+    torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
+    assert float(token_lp[mask == 0].abs().sum()) == 0.0 and mask.sum() == 5 + 11 + 4 + 9 + 3 + 4
