@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from rlhforge.backend.device import seed_everything  # noqa: F401 - re-exported for the trainers
-from rlhforge.backend.step import pad_micro_batch_count  # noqa: F401 - re-exported for the trainers
+from rlhforge.backend.step import pad_micro_batch_count, reduce_totals, run_no_grad, sum_totals
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
@@ -42,6 +42,37 @@ def shard_batches(num_samples: int, shard: tuple[int, int], micro_batch_size: in
     return [idx[i : i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
 
 
+def step_micro_batches(trainer, indices: list[int], length: Callable[[int], int]) -> list[list[int] | None]:
+    """A supervised trainer's micro-batches of one optimizer step on this rank: ``--train.micro_batch_size``
+    rows, or token-budget ones with ``--train.max_tokens_per_device`` (a ring of R devices holds R budgets);
+    every rank gets the same count (``None``: a dummy pass, :func:`pad_micro_batch_count`)."""
+    train = trainer.cfg.train
+    groups = micro_batches(indices, length, micro_batch_size=train.micro_batch_size,
+                           max_tokens=train.max_tokens_per_device * trainer.ring_size)
+    return pad_micro_batch_count(trainer.strategy, groups)
+
+
+def eval_totals(trainer, num_samples: int, shard: tuple[int, int], totals: Callable[[list[int]], dict]) -> dict:
+    """``totals(indices)`` over this rank's evaluation micro-batches, without gradients, summed over
+    micro-batches and ranks (each sample counted once: ``trainer.copies``)."""
+    strategy = trainer.strategy
+    batches = pad_micro_batch_count(strategy, shard_batches(num_samples, shard, trainer.cfg.train.micro_batch_size))
+    return reduce_totals(strategy, sum_totals(run_no_grad(strategy, batches, totals, dummy=[0])), trainer.copies)
+
+
+def moe_aux_loss_coef(cfg, strategy) -> float:
+    """``--model.aux_loss_coef`` where the model has a MoE load-balancing loss; 0 on a dense model (one notice)."""
+    from rlhforge.models.moe import aux_loss_enabled
+
+    coef = cfg.model.aux_loss_coef
+    return coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
+
+
+def aux_loss(totals: dict[str, float], norm) -> float:
+    """The MoE load-balancing loss of a step: its sum over the passes that computed one (``aux_passes``)."""
+    return totals.get("aux", 0.0) / max(totals.get("aux_passes", 0.0), 1.0 / norm.copies)
+
+
 def is_eval_step(step: int, steps_per_epoch: int, eval_steps: int, total_steps: int | None = None) -> bool:
     """Evaluate every ``eval_steps`` steps (when > 0), at every epoch end, and (optionally) at the last step."""
     return (
@@ -68,6 +99,23 @@ def save_step_checkpoint(strategy, ckpt_cfg, step: int, trainer_state: dict, exp
         return path
     return save_checkpoint(strategy, ckpt_cfg.checkpoint_dir, step, trainer_state, max_num=ckpt_cfg.max_num,
                            max_mem_gb=ckpt_cfg.max_mem, export_hf=export if ckpt_cfg.save_hf else None, config=config)
+
+
+def save_trainer_checkpoint(trainer, export: Callable) -> object:
+    """A supervised trainer's step checkpoint: its state and its fault counters (:func:`save_step_checkpoint`)."""
+    from rlhforge.config.parsing import to_dict
+
+    state = {**trainer.state.as_dict(), "faults": trainer.guard.state_dict()}
+    return save_step_checkpoint(trainer.strategy, trainer.cfg.ckpt, trainer.state.global_step, state,
+                                config=to_dict(trainer.cfg), export=export)
+
+
+def resume_trainer(trainer) -> dict | None:
+    """:func:`resume_trainer_state` for a supervised trainer; its fault counters are restored too."""
+    state = resume_trainer_state(trainer.strategy, trainer.cfg.ckpt, trainer.logger, trainer.cfg, trainer.plan)
+    if state is not None:
+        trainer.guard.load_state_dict(state.get("faults"))
+    return state
 
 
 def resume_trainer_state(strategy, ckpt_cfg, logger, cfg=None, plan=None) -> dict | None:

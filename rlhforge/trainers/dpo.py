@@ -42,28 +42,15 @@ from torch import Tensor
 from rlhforge.algorithms.preference_losses import chosen_nll_loss, dpo_sigmoid_loss, ipo_loss
 from rlhforge.backend.autotp import copies, data_shard
 from rlhforge.backend.device import empty_cache
-from rlhforge.backend.step import (
-    StepNormaliser,
-    pad_micro_batch_count,
-    reduce_totals,
-    run_no_grad,
-    run_step,
-    step_normaliser,
-    sum_totals,
-)
+from rlhforge.backend.step import StepNormaliser, pad_micro_batch_count, run_step, step_normaliser
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
 from rlhforge.data.vlm_preference import VLMPreferenceSample, collate_vlm_pairs
 from rlhforge.models.export import save_hf
 from rlhforge.models.forward import sequence_logprob_sums, token_logprobs
-from rlhforge.config.parsing import to_dict
-from rlhforge.trainers.common import (
-    micro_batches,
-    resume_trainer_state,
-    save_step_checkpoint,
-    shard_batches,
-    supervised_loop,
-)
+from rlhforge.trainers.common import (aux_loss, eval_totals, moe_aux_loss_coef, resume_trainer,
+                                     save_trainer_checkpoint, shard_batches, step_micro_batches,
+                                     supervised_loop)
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 
@@ -250,10 +237,7 @@ class DPOTrainer:
         self.state = DPOState()
         self.guard = guard_for(cfg, strategy)  # preemption, non-finite steps, checkpoint write errors
         self.step_skipped = False  # the last optimizer step was skipped (non-finite loss or gradient norm)
-        from rlhforge.models.moe import aux_loss_enabled
-
-        coef = cfg.model.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
-        self.aux_loss_coef = coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
+        self.aux_loss_coef = moe_aux_loss_coef(cfg, strategy)  # 0 on a dense model (one notice)
         self.aux = None  # the last training micro-batch's balancing loss (differentiable)
 
     # -- one micro-batch -------------------------------------------------------------------------
@@ -309,45 +293,35 @@ class DPOTrainer:
         save_hf(self.strategy, self.tokenizer, self.cfg.ckpt.output_dir)
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
-        strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
+        strategy, samples = self.strategy, self.train_samples
         norm = step_normaliser(strategy, seqs=len(indices), ring_size=self.ring_size)
-        groups = micro_batches(indices, lambda i: len(samples[i]), micro_batch_size=cfg.train.micro_batch_size,
-                               max_tokens=cfg.train.max_tokens_per_device * self.ring_size)  # a ring: R devices
-        groups = pad_micro_batch_count(strategy, groups)
+        groups = step_micro_batches(self, indices, lambda i: len(samples[i]))
         with self.reference.active():
             out = run_step(strategy, groups, lambda ids, n: self._loss(ids, n, len(groups)), norm, dummy=[indices[0]])
         self.step_skipped = out.skipped
         metrics = self.objective.metrics(out.totals, norm.seqs, "train")
         metrics.update({"train/lr": out.stats["lr"], "train/grad_norm": out.stats["grad_norm"]})
         if self.aux_loss_coef:
-            t = out.totals
-            metrics["train/aux_loss"] = t.get("aux", 0.0) / max(t.get("aux_passes", 0.0), 1.0 / norm.copies)
+            metrics["train/aux_loss"] = aux_loss(out.totals, norm)
         return metrics
 
     def evaluate(self) -> dict[str, float]:
         if not self.eval_samples:
             return {}
         samples = self.eval_samples
-        batches = pad_micro_batch_count(self.strategy, shard_batches(len(samples), self.shard,
-                                                                     self.cfg.train.micro_batch_size))
 
         def totals(ids):
             return {**self._pair_losses("eval", ids, [samples[i] for i in ids])[1], "pairs": len(ids)}
 
         with self.reference.active():  # a dummy pass keeps collectives aligned (ZeRO-3)
-            results = run_no_grad(self.strategy, batches, totals, dummy=[0])
-        t = reduce_totals(self.strategy, sum_totals(results), self.copies)
+            t = eval_totals(self, len(samples), self.shard, totals)
         return self.objective.metrics(t, max(t.get("pairs", 0.0), 1.0), "eval")
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
-        state = {**self.state.as_dict(), "faults": self.guard.state_dict()}
-        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, state,
-                                    config=to_dict(self.cfg),
-                                    export=lambda d: save_hf(self.strategy, self.tokenizer, d))
+        return save_trainer_checkpoint(self, export=lambda d: save_hf(self.strategy, self.tokenizer, d))
 
     def _maybe_resume(self) -> None:
-        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg, self.plan)
+        state = resume_trainer(self)
         if state is not None:
-            self.guard.load_state_dict(state.get("faults"))
             self.state = DPOState(global_step=int(state["global_step"]))

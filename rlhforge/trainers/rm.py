@@ -33,26 +33,12 @@ import torch
 
 from rlhforge.algorithms.preference_losses import get_rm_loss
 from rlhforge.backend.autotp import copies, data_shard
-from rlhforge.backend.step import (
-    StepNormaliser,
-    pad_micro_batch_count,
-    reduce_totals,
-    run_no_grad,
-    run_step,
-    step_normaliser,
-    sum_totals,
-)
+from rlhforge.backend.step import StepNormaliser, run_step, step_normaliser
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
 from rlhforge.models.reward import save_reward_model, sequence_rewards
-from rlhforge.config.parsing import to_dict
-from rlhforge.trainers.common import (
-    micro_batches,
-    resume_trainer_state,
-    save_step_checkpoint,
-    shard_batches,
-    supervised_loop,
-)
+from rlhforge.trainers.common import (aux_loss, eval_totals, moe_aux_loss_coef, resume_trainer,
+                                     save_trainer_checkpoint, step_micro_batches, supervised_loop)
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 
@@ -86,10 +72,7 @@ class RMTrainer:
         self.state = RMState()
         self.guard = guard_for(cfg, strategy)  # preemption, non-finite steps, checkpoint write errors
         self.step_skipped = False  # the last optimizer step was skipped (non-finite loss or gradient norm)
-        from rlhforge.models.moe import aux_loss_enabled
-
-        coef = cfg.model.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
-        self.aux_loss_coef = coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
+        self.aux_loss_coef = moe_aux_loss_coef(cfg, strategy)  # 0 on a dense model (one notice)
         self.aux = None  # the last training micro-batch's balancing loss (differentiable)
 
     # -- one micro-batch -------------------------------------------------------------------------
@@ -151,18 +134,17 @@ class RMTrainer:
         self.export(cfg.ckpt.output_dir)
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
-        strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
+        strategy, samples = self.strategy, self.train_samples
         norm = step_normaliser(strategy, seqs=len(indices), ring_size=self.ring_size)
-        groups = micro_batches(indices, lambda i: len(samples[i]), micro_batch_size=cfg.train.micro_batch_size,
-                               max_tokens=cfg.train.max_tokens_per_device * self.ring_size)  # a ring: R devices
-        groups = [None if g is None else [samples[i] for i in g] for g in pad_micro_batch_count(strategy, groups)]
+        groups = [None if g is None else [samples[i] for i in g]
+                  for g in step_micro_batches(self, indices, lambda i: len(samples[i]))]
         out = run_step(strategy, groups, lambda mb, n: self._loss(mb, n, len(groups)), norm,
                        dummy=[samples[indices[0]]])
         self.step_skipped = out.skipped
         t, pairs = out.totals, norm.seqs
         metrics = {}
         if self.aux_loss_coef:
-            metrics["train/aux_loss"] = t.get("aux", 0.0) / max(t.get("aux_passes", 0.0), 1.0 / norm.copies)
+            metrics["train/aux_loss"] = aux_loss(t, norm)
         return {**metrics, "train/loss": t["loss"] / pairs, "train/acc": t["correct"] / pairs,
                 "train/chosen_reward": t["chosen"] / pairs, "train/rejected_reward": t["rejected"] / pairs,
                 "train/reward_margin": (t["chosen"] - t["rejected"]) / pairs,
@@ -171,10 +153,7 @@ class RMTrainer:
 
     def _score(self, samples, prefix: str) -> dict[str, float]:
         """Loss/accuracy/reward statistics of ``samples`` (sharded over ranks, reduced)."""
-        batches = pad_micro_batch_count(self.strategy, shard_batches(len(samples), self.shard,
-                                                                     self.cfg.train.micro_batch_size))
-        results = run_no_grad(self.strategy, batches, lambda g: self._totals([samples[i] for i in g])[1], dummy=[0])
-        t = reduce_totals(self.strategy, sum_totals(results), self.copies)
+        t = eval_totals(self, len(samples), self.shard, lambda g: self._totals([samples[i] for i in g])[1])
         pairs = max(t.get("pairs", 0.0), 1.0)
         loss, correct, chosen_sum, rejected_sum, sq_sum = (t.get(k, 0.0) for k in ("loss", "correct", "chosen",
                                                                                   "rejected", "sq"))
@@ -207,14 +186,10 @@ class RMTrainer:
                           base_path=cfg.model.model_name_or_path, model_cfg=cfg.model, ds_cfg=cfg.ds)
 
     def save_checkpoint(self) -> Path | None:
-        state = {**self.state.as_dict(), "faults": self.guard.state_dict()}
-        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, state,
-                                    config=to_dict(self.cfg),
-                                    export=self.export)
+        return save_trainer_checkpoint(self, export=self.export)
 
     def _maybe_resume(self) -> None:
-        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg, self.plan)
+        state = resume_trainer(self)
         if state is not None:
-            self.guard.load_state_dict(state.get("faults"))
             stats = state.get("reward_stats")
             self.state = RMState(global_step=int(state["global_step"]), reward_stats=tuple(stats) if stats else None)

@@ -19,29 +19,15 @@ from pathlib import Path
 
 import torch
 
-from rlhforge.backend.step import (
-    StepNormaliser,
-    step_normaliser,
-    pad_micro_batch_count,
-    reduce_totals,
-    run_no_grad,
-    run_step,
-    sum_totals,
-)
+from rlhforge.backend.step import StepNormaliser, run_step, step_normaliser
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.packing import collate_packed, collate_padded
 from rlhforge.data.images import collate_vlm
 from rlhforge.data.vlm_sft import VLMSFTSample
 from rlhforge.models.export import save_hf
 from rlhforge.models.forward import token_logprobs
-from rlhforge.config.parsing import to_dict
-from rlhforge.trainers.common import (
-    micro_batches,
-    resume_trainer_state,
-    save_step_checkpoint,
-    shard_batches,
-    supervised_loop,
-)
+from rlhforge.trainers.common import (aux_loss, eval_totals, moe_aux_loss_coef, resume_trainer,
+                                     save_trainer_checkpoint, step_micro_batches, supervised_loop)
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 
@@ -73,10 +59,7 @@ class SFTTrainer:
         self.state = SFTState()
         self.guard = guard_for(cfg, strategy)  # preemption, non-finite steps, checkpoint write errors
         self.step_skipped = False  # the last optimizer step was skipped (non-finite loss or gradient norm)
-        from rlhforge.models.moe import aux_loss_enabled
-
-        coef = cfg.model.aux_loss_coef  # MoE load-balancing loss (0 on a dense model: one notice)
-        self.aux_loss_coef = coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
+        self.aux_loss_coef = moe_aux_loss_coef(cfg, strategy)  # 0 on a dense model (one notice)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def _collate(self, samples):
@@ -126,15 +109,13 @@ class SFTTrainer:
         save_hf(strategy, self.tokenizer, cfg.ckpt.output_dir)
 
     def train_step(self, indices: list[int]) -> dict[str, float]:
-        strategy, cfg, samples = self.strategy, self.cfg, self.train_samples
+        strategy, samples = self.strategy, self.train_samples
         norm = step_normaliser(strategy, tokens=sum(sum(samples[i].loss_mask) for i in indices),
                                ring_size=self.ring_size)
         if norm.tokens == 0:
             raise RuntimeError(f"optimizer step {self.state.global_step + 1} has no target tokens on any rank")
-        groups = micro_batches(indices, lambda i: len(samples[i].input_ids),
-                               micro_batch_size=cfg.train.micro_batch_size,
-                               max_tokens=cfg.train.max_tokens_per_device * self.ring_size)  # a ring: R devices
-        groups = [None if g is None else [samples[i] for i in g] for g in pad_micro_batch_count(strategy, groups)]
+        groups = [None if g is None else [samples[i] for i in g]
+                  for g in step_micro_batches(self, indices, lambda i: len(samples[i].input_ids))]
         out = run_step(strategy, groups, lambda mb, n: self._loss(mb, n, len(groups)), norm,
                        dummy=[samples[indices[0]]])
         self.step_skipped = out.skipped
@@ -142,34 +123,27 @@ class SFTTrainer:
         metrics = {"train/loss": t["nll"] / norm.tokens, "train/lr": out.stats["lr"],
                    "train/grad_norm": out.stats["grad_norm"], "train/tokens": norm.tokens}
         if self.aux_loss_coef:
-            metrics["train/aux_loss"] = t.get("aux", 0.0) / max(t.get("aux_passes", 0.0), 1.0 / norm.copies)
+            metrics["train/aux_loss"] = aux_loss(t, norm)
         return metrics
 
     def evaluate(self) -> dict[str, float]:
         if not self.eval_samples:
             return {}
         samples = self.eval_samples
-        batches = pad_micro_batch_count(self.strategy, shard_batches(len(samples), self.data_shard,
-                                                                     self.cfg.train.micro_batch_size))
 
         def nll(group):  # eval/loss: NLL only
             token_nll, mask = self._token_nll([samples[i] for i in group])
             return {"nll": (token_nll * mask).sum(), "tokens": mask.sum()}
 
-        totals = reduce_totals(self.strategy, sum_totals(run_no_grad(self.strategy, batches, nll, dummy=[0])),
-                               self.copies)
+        totals = eval_totals(self, len(samples), self.data_shard, nll)
         count = totals.get("tokens", 0.0)
         return {"eval/loss": totals.get("nll", 0.0) / max(count, 1.0), "eval/tokens": count}
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
-        state = {**self.state.as_dict(), "faults": self.guard.state_dict()}
-        return save_step_checkpoint(self.strategy, self.cfg.ckpt, self.state.global_step, state,
-                                    config=to_dict(self.cfg),
-                                    export=lambda d: save_hf(self.strategy, self.tokenizer, d))
+        return save_trainer_checkpoint(self, export=lambda d: save_hf(self.strategy, self.tokenizer, d))
 
     def _maybe_resume(self) -> None:
-        state = resume_trainer_state(self.strategy, self.cfg.ckpt, self.logger, self.cfg, self.plan)
+        state = resume_trainer(self)
         if state is not None:
-            self.guard.load_state_dict(state.get("faults"))
             self.state = SFTState(global_step=int(state["global_step"]))
