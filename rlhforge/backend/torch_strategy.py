@@ -40,7 +40,7 @@ class TorchStrategy:
 
             model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.model = model
-        self.optimizer = build_optimizer(self._module, self.optim_cfg)
+        self.optimizer = build_optimizer(self._module, self.optim_cfg, fused=self.device.type == "cpu")
         self.scheduler = build_scheduler(self.optimizer, self.optim_cfg, total_steps)
         return model
 

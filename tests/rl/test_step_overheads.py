@@ -104,3 +104,27 @@ def test_dpo_log_probs_on_response_tokens_only_equal_the_full_head(tiny_model_di
     (want_grad,) = torch.autograd.grad(want.sum(), [model.get_output_embeddings().weight])
     torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
     assert float(token_lp[mask == 0].abs().sum()) == 0.0 and mask.sum() == 5 + 11 + 4 + 9 + 3 + 4
+
+
+def test_the_fused_adamw_of_the_cpu_strategy_follows_the_plain_one(tiny_model_dir):
+    """The plain-torch strategy on CPU steps with torch's fused AdamW; five steps with weight decay on
+    some parameters land where the per-op AdamW lands, up to float rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhforge.backend.optim import build_optimizer
+    from rlhforge.config.components import AdamConfig, OptimConfig
+
+    cfg = OptimConfig(adam=AdamConfig(lr=1e-3, weight_decay=0.1))
+    weights = []
+    for fused in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        opt = build_optimizer(model, cfg, fused=fused)
+        assert opt.defaults["fused"] is (True if fused else None)
+        g = torch.Generator().manual_seed(7)
+        for _ in range(5):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    moved = max(float((a - b).abs().max()) for a, b in zip(weights[0], weights[1]))
+    assert moved < 1e-6
