@@ -31,11 +31,13 @@ def _opd_args(student, teacher, out, *extra, steps=2):
                    "--rollout.temperature", str(TEMP), *extra, estimator="on_policy_distill", steps=steps)
 
 
-def _experience(args):
+def _experience(args, train: bool = False):
+    """The first rollout's experience (and, with ``train``, the metrics of training on it)."""
     trainer = build_trainer(parse_rl_args(args))
     try:
         trajs = trainer.rollout()[0]
-        return trainer.make_experience(trajs)
+        samples, m = trainer.make_experience(trajs)
+        return (samples, m, trainer.train(samples)) if train else (samples, m)
     finally:
         trainer.logger.close()
 
@@ -81,8 +83,20 @@ def test_discount_sums_the_future_gaps(tiny_model_dir, teacher_dir, tmp_path):
 
 
 def test_topk_rows_are_the_teachers_topk(tiny_model_dir, teacher_dir, tmp_path):
-    samples, m = _experience(_opd_args(tiny_model_dir, teacher_dir, tmp_path / "run", "--algo.distill.mode",
-                                       "forward_kl_topk", "--algo.distill.topk", "5"))
+    """The teacher's rows on the samples are its own top-k; the actor's forward-KL term (one optimizer step over
+    the whole rollout, so every micro-batch sees the initial student) equals the formula recomputed here from
+    plain HF forwards of the student and those rows."""
+    samples, m, trained = _experience(_opd_args(tiny_model_dir, teacher_dir, tmp_path / "run", "--algo.distill.mode",
+                                                "forward_kl_topk", "--algo.distill.topk", "5", "--train.batch_size",
+                                                "8"), train=True)
+    total, tokens = 0.0, 0
+    for s in samples:
+        student = torch.log_softmax(_hf_logits(tiny_model_dir, s.input_ids) / TEMP, -1)
+        ids, lps = s.tensors[TOPK_IDS], s.tensors[TOPK_LOGPROBS].double()
+        for pos in (p for p in range(1, len(s.input_ids)) if s.loss_mask[p]):
+            total += float((lps[pos].exp() * (lps[pos] - student[pos - 1, ids[pos].long()])).sum())
+            tokens += 1
+    assert trained["actor/distill_forward_kl"] == pytest.approx(total / tokens, abs=1e-5)
     s = samples[1]
     ids, lps = s.tensors[TOPK_IDS], s.tensors[TOPK_LOGPROBS]
     assert ids.shape == lps.shape == (len(s.input_ids), 5)
