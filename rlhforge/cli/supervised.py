@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["command_main", "start", "batch_plan", "ring_group", "announce", "fit"]
+__all__ = ["command_main", "start", "tokenizer_and_samples", "policy_model", "batch_plan", "ring_group", "announce",
+           "fit"]
 
 
 def command_main(command: str, config_cls, run: Callable, argv, prog: str, legacy: dict | None = None) -> int:
@@ -36,6 +37,36 @@ def start(cfg) -> None:
 
     check_run_folder(cfg.ckpt)
     seed_everything(cfg.train.seed, cfg.train.full_determinism_enable)
+
+
+def tokenizer_and_samples(cfg, text_samples: Callable, vlm_samples: Callable | None = None) -> tuple:
+    """``(tokenizer, train samples, eval samples, is_vlm)``: a vision-language model (docs/vlm.md) gets its
+    processor as the tokenizer and ``vlm_samples(cfg, processor)``; a text model its tokenizer (with
+    ``--data.tokenizer_chat_template``) and ``text_samples(tokenizer)``."""
+    from rlhforge.models.loading import load_tokenizer
+
+    if vlm_samples is not None:
+        from rlhforge.cli.vlm import vlm_setup
+
+        processor = vlm_setup(cfg)
+        if processor is not None:
+            return (processor, *vlm_samples(cfg, processor), True)
+    tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
+                               use_fast=not cfg.data.disable_fast_tokenizer)
+    return (tokenizer, *text_samples(tokenizer), False)
+
+
+def policy_model(cfg, strategy, vlm: bool = False):
+    """The trained causal LM (a VLM's with ``vlm``), loaded under ``strategy.model_init()`` (ZeRO-3:
+    partitioned as it loads)."""
+    from rlhforge.models.loading import load_causal_lm
+
+    with strategy.model_init():
+        if vlm:
+            from rlhforge.cli.vlm import load_vlm_model
+
+            return load_vlm_model(cfg, strategy.device)
+        return load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
 
 
 def batch_plan(cfg, num_samples: int, ring_size: int = 1):

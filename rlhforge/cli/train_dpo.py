@@ -62,28 +62,17 @@ def build_reference(cfg, strategy, wrapped, ref_model, ring=None):
 def run(cfg: DPOConfig) -> Path:
     """Train and export; returns the output folder. Usable from Python as well as the CLI."""
     from rlhforge.backend.factory import build_strategy
-    from rlhforge.cli.supervised import announce, batch_plan, fit, ring_group, start
-    from rlhforge.cli.vlm import load_vlm_model, load_vlm_preference_data, vlm_setup
-    from rlhforge.models.loading import load_causal_lm, load_tokenizer
+    from rlhforge.cli.supervised import announce, batch_plan, fit, policy_model, ring_group, start, tokenizer_and_samples
+    from rlhforge.cli.vlm import load_vlm_preference_data
     from rlhforge.trainers.dpo import DPOTrainer
 
     start(cfg)
-    processor = vlm_setup(cfg)  # a vision-language model: tokenizer + image processor (docs/vlm.md)
-    if processor is not None:
-        tokenizer = processor
-        train_samples, eval_samples = load_vlm_preference_data(cfg, processor)
-    else:
-        tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
-                                   use_fast=not cfg.data.disable_fast_tokenizer)
-        train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=False, use_margin=False)
+    tokenizer, train_samples, eval_samples, vlm = tokenizer_and_samples(
+        cfg, lambda tok: load_preference_data(cfg, tok, force_eos=False, use_margin=False), load_vlm_preference_data)
     plan = batch_plan(cfg, len(train_samples), cfg.ds.ring_attn_size)
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
-    with strategy.model_init():  # ZeRO-3: partitioned as it loads
-        if processor is not None:
-            model = load_vlm_model(cfg, strategy.device)
-        else:
-            model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
-    ref_model = load_reference_model(cfg, strategy, vlm=processor is not None)
+    model = policy_model(cfg, strategy, vlm)
+    ref_model = load_reference_model(cfg, strategy, vlm=vlm)
     ring = ring_group(cfg, model, ref_model)  # policy and reference run every packed row across the ring
     wrapped = strategy.prepare(model, plan.total_steps)
     reference = build_reference(cfg, strategy, wrapped, ref_model, ring=ring)

@@ -35,20 +35,16 @@ def load_unpaired_data(cfg: KTOConfig, tokenizer):
 def run(cfg: KTOConfig) -> Path:
     """Train and export; returns the output folder. Usable from Python as well as the CLI."""
     from rlhforge.backend.factory import build_strategy
-    from rlhforge.cli.supervised import announce, batch_plan, fit, start
+    from rlhforge.cli.supervised import announce, batch_plan, fit, policy_model, start, tokenizer_and_samples
     from rlhforge.cli.train_dpo import build_reference, load_reference_model
-    from rlhforge.models.loading import load_causal_lm, load_tokenizer
     from rlhforge.trainers.dpo import DPOTrainer
     from rlhforge.trainers.kto import KTOObjective
 
     start(cfg)
-    tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
-                               use_fast=not cfg.data.disable_fast_tokenizer)
-    train_samples, eval_samples = load_unpaired_data(cfg, tokenizer)
+    tokenizer, train_samples, eval_samples, _ = tokenizer_and_samples(cfg, lambda tok: load_unpaired_data(cfg, tok))
     plan = batch_plan(cfg, len(train_samples))
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
-    with strategy.model_init():  # ZeRO-3: partitioned as it loads
-        model = load_causal_lm(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device)
+    model = policy_model(cfg, strategy)
     ref_model = load_reference_model(cfg, strategy)
     wrapped = strategy.prepare(model, plan.total_steps)
     reference = build_reference(cfg, strategy, wrapped, ref_model)

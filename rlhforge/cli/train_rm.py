@@ -34,16 +34,13 @@ def load_preference_data(cfg, tokenizer, *, force_eos: bool, use_margin: bool):
 def run(cfg: RMConfig) -> Path:
     """Train and export; returns the output folder. Usable from Python as well as the CLI."""
     from rlhforge.backend.factory import build_strategy
-    from rlhforge.cli.supervised import announce, batch_plan, fit, ring_group, start
-    from rlhforge.models.loading import load_tokenizer
+    from rlhforge.cli.supervised import announce, batch_plan, fit, ring_group, start, tokenizer_and_samples
     from rlhforge.models.reward import load_reward_model
     from rlhforge.trainers.rm import RMTrainer
 
     start(cfg)
-    tokenizer = load_tokenizer(cfg.model.model_name_or_path, chat_template=cfg.data.tokenizer_chat_template,
-                               use_fast=not cfg.data.disable_fast_tokenizer)
-    train_samples, eval_samples = load_preference_data(cfg, tokenizer, force_eos=True,
-                                                       use_margin=cfg.model.margin_loss_enable)
+    tokenizer, train_samples, eval_samples, _ = tokenizer_and_samples(
+        cfg, lambda tok: load_preference_data(cfg, tok, force_eos=True, use_margin=cfg.model.margin_loss_enable))
     plan = batch_plan(cfg, len(train_samples), cfg.ds.ring_attn_size)
     strategy = build_strategy(cfg.ds, cfg.optim, cfg.train, plan)
     model = load_reward_model(cfg.model.model_name_or_path, cfg.model, cfg.ds, strategy.device,

@@ -17,18 +17,26 @@ def save_hf(strategy, tokenizer, out_dir: str | Path, extra_files: dict[str, str
     state_dict = strategy.full_state_dict()
     if not strategy.is_rank0:
         return
+
+    def write(tmp: Path) -> None:
+        strategy.module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+
+    write_folder(out_dir, write)
+
+
+def write_folder(out_dir: str | Path, write) -> None:
+    """Write into ``<out>.tmp`` with ``write(tmp)``, then move it file by file into ``out``, so that a run
+    folder that also holds metrics and the config keeps them (a crash leaves ``out`` as it was)."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    model = strategy.module
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    # Move file by file so a run directory that also holds metrics/config keeps them.
+    write(tmp)
     out.mkdir(parents=True, exist_ok=True)
     for item in tmp.iterdir():
         target = out / item.name

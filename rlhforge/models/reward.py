@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -29,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rlhforge.tracking.quiet import expected_new_weights
+from rlhforge.models.export import write_folder
 
 __all__ = [
     "load_reward_model",
@@ -265,23 +265,6 @@ def reward_stats(config) -> tuple[float, float] | None:
     return None
 
 
-def _write_folder(out_dir: str | Path, write) -> None:
-    """Write into ``<out>.tmp`` with ``write(tmp)``, then move file by file into ``out`` (keeps metrics/config)."""
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    out.mkdir(parents=True, exist_ok=True)
-    for item in tmp.iterdir():
-        target = out / item.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        item.replace(target)
-    tmp.rmdir()
-
-
 def save_reward_model(strategy, tokenizer, out_dir: str | Path, *, stats: tuple[float, float] | None,
                       base_path: str, model_cfg, ds_cfg) -> None:
     """Export a reward model that ``AutoModelForSequenceClassification.from_pretrained`` loads (all
@@ -340,4 +323,4 @@ def save_reward_model(strategy, tokenizer, out_dir: str | Path, *, stats: tuple[
             {"note": "LoRA adapter of this reward model; the folder above holds it merged into the base model."}
         ))
 
-    _write_folder(out_dir, write)
+    write_folder(out_dir, write)
