@@ -60,8 +60,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lse[s:e] = torch.logsumexp(z, dim=-1)
             out[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse[s:e]
         ctx.save_for_backward(logits, labels, lse)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return out
 
     @staticmethod
@@ -101,8 +100,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         for s, e in _chunks(n, chunk_size):
             out[s:e] = _entropy_terms(logits[s:e].to(dt) / temperature)[2]
         ctx.save_for_backward(logits, out)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return out
 
     @staticmethod

@@ -11,16 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from rlhforge.config.components import (
-    AdamConfig,
-    CkptConfig,
-    DSConfig,
-    EvalConfig,
-    LoggerConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-)
+from rlhforge.config.components import (AdamConfig, CkptConfig, DSConfig, EvalConfig, LoggerConfig, ModelConfig,
+                                        OptimConfig, TrainConfig)
 from rlhforge.config.parsing import ConfigError
 from rlhforge.config.rm import PreferenceDataConfig, validate_preference_common
 from rlhforge.config.validation import validate_common

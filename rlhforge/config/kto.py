@@ -12,17 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from rlhforge.config.components import (
-    AdamConfig,
-    CkptConfig,
-    DataConfig,
-    DSConfig,
-    EvalConfig,
-    LoggerConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-)
+from rlhforge.config.components import (AdamConfig, CkptConfig, DataConfig, DSConfig, EvalConfig, LoggerConfig,
+                                        ModelConfig, OptimConfig, TrainConfig)
 from rlhforge.config.dpo import RefConfig, check_reference, uses_adapter_reference
 from rlhforge.config.parsing import ConfigError
 from rlhforge.config.validation import validate_common

@@ -5,16 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from rlhforge.config.components import (
-    CkptConfig,
-    DataConfig,
-    DSConfig,
-    EvalConfig,
-    LoggerConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-)
+from rlhforge.config.components import (CkptConfig, DataConfig, DSConfig, EvalConfig, LoggerConfig, ModelConfig,
+                                        OptimConfig, TrainConfig)
 from rlhforge.config.parsing import ConfigError
 from rlhforge.config.validation import validate_common
 

@@ -68,6 +68,15 @@ def moe_aux_loss_coef(cfg, strategy) -> float:
     return coef if aux_loss_enabled(coef, strategy.module, "--model.aux_loss_coef") else 0.0
 
 
+def add_aux_loss(loss, totals: dict, coef: float, aux, passes: int):
+    """As OpenRLHF: the micro-batch's loss + ``coef`` x its MoE load-balancing loss ``aux`` (so the step
+    adds the mean over its ``passes``); ``totals`` counts it for :func:`aux_loss`. ``aux`` None: unchanged."""
+    if aux is None:
+        return loss
+    totals.update(aux=aux.float(), aux_passes=1.0)
+    return loss + coef * aux / passes
+
+
 def aux_loss(totals: dict[str, float], norm) -> float:
     """The MoE load-balancing loss of a step: its sum over the passes that computed one (``aux_passes``)."""
     return totals.get("aux", 0.0) / max(totals.get("aux_passes", 0.0), 1.0 / norm.copies)

@@ -48,9 +48,8 @@ from rlhforge.data.preference import collate_pairs
 from rlhforge.data.vlm_preference import VLMPreferenceSample, collate_vlm_pairs
 from rlhforge.models.export import save_hf
 from rlhforge.models.forward import sequence_logprob_sums, token_logprobs
-from rlhforge.trainers.common import (aux_loss, eval_totals, moe_aux_loss_coef, resume_trainer,
-                                     save_trainer_checkpoint, shard_batches, step_micro_batches,
-                                     supervised_loop)
+from rlhforge.trainers.common import (add_aux_loss, aux_loss, eval_totals, moe_aux_loss_coef, resume_trainer,
+                                      save_trainer_checkpoint, shard_batches, step_micro_batches, supervised_loop)
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 
@@ -264,10 +263,7 @@ class DPOTrainer:
         """This micro-batch's share of the step's mean pair loss (+ MoE balancing loss), and its totals."""
         loss_sum, totals = self._pair_losses("train", ids, [self.train_samples[i] for i in ids])
         loss = norm.seq_share(loss_sum)
-        if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
-            loss = loss + self.aux_loss_coef * self.aux / passes
-            totals.update(aux=self.aux.float(), aux_passes=1.0)
-        return loss, totals
+        return add_aux_loss(loss, totals, self.aux_loss_coef, self.aux, passes), totals
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:

@@ -37,8 +37,8 @@ from rlhforge.backend.step import StepNormaliser, run_step, step_normaliser
 from rlhforge.config.batching import BatchPlan
 from rlhforge.data.preference import collate_pairs
 from rlhforge.models.reward import save_reward_model, sequence_rewards
-from rlhforge.trainers.common import (aux_loss, eval_totals, moe_aux_loss_coef, resume_trainer,
-                                     save_trainer_checkpoint, step_micro_batches, supervised_loop)
+from rlhforge.trainers.common import (add_aux_loss, aux_loss, eval_totals, moe_aux_loss_coef, resume_trainer,
+                                      save_trainer_checkpoint, step_micro_batches, supervised_loop)
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 
@@ -112,10 +112,7 @@ class RMTrainer:
         """This micro-batch's share of the step's mean pair loss (+ MoE balancing loss), and its totals."""
         loss_sum, totals = self._totals(chunk, with_aux=bool(self.aux_loss_coef))
         loss = norm.seq_share(loss_sum)
-        if self.aux is not None:  # as OpenRLHF: + coef x the micro-batch's balancing loss (mean per step)
-            loss = loss + self.aux_loss_coef * self.aux / passes
-            totals.update(aux=self.aux.float(), aux_passes=1.0)
-        return loss, totals
+        return add_aux_loss(loss, totals, self.aux_loss_coef, self.aux, passes), totals
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:

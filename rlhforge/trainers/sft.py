@@ -26,8 +26,8 @@ from rlhforge.data.images import collate_vlm
 from rlhforge.data.vlm_sft import VLMSFTSample
 from rlhforge.models.export import save_hf
 from rlhforge.models.forward import token_logprobs
-from rlhforge.trainers.common import (aux_loss, eval_totals, moe_aux_loss_coef, resume_trainer,
-                                     save_trainer_checkpoint, step_micro_batches, supervised_loop)
+from rlhforge.trainers.common import (add_aux_loss, aux_loss, eval_totals, moe_aux_loss_coef, resume_trainer,
+                                      save_trainer_checkpoint, step_micro_batches, supervised_loop)
 from rlhforge.trainers.faults import guard_for
 from rlhforge.tracking.metrics import MetricsLogger
 
@@ -89,10 +89,7 @@ class SFTTrainer:
         nll, mask, *aux = self._token_nll(samples, with_aux=bool(self.aux_loss_coef))
         loss = norm.aggregate(nll, mask)
         totals = {"nll": (nll * mask).sum()}
-        if aux:  # as OpenRLHF: + coef x the micro-batch's balancing loss (the step's mean over micro-batches)
-            loss = loss + self.aux_loss_coef * aux[0] / passes
-            totals.update(aux=aux[0].float(), aux_passes=1.0)
-        return loss, totals
+        return add_aux_loss(loss, totals, self.aux_loss_coef, aux[0] if aux else None, passes), totals
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> None:
