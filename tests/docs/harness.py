@@ -10,6 +10,8 @@ appended (:data:`TINY`) - unless the block or the command is one of these, which
   with a literal ``...`` argument;
 - fence label ``tested``: run by a test of its own in ``tests/docs/`` that sets up what it needs (a server,
   a folder); the harness checks that such a test names the block;
+- fence label ``repeat``: commands an overview page repeats from another page, where they run; the harness
+  checks that every command of the block stands, to the letter, in a run block of another page;
 - installs (``pip install``) and the suite's own commands (``scripts/test.sh``, ``scripts/setup_env.sh``,
   ``scripts/quickstart.sh``, ``pytest``): ``.ci/run`` is exactly these on a fresh clone.
 
@@ -46,8 +48,8 @@ from sybil.parsers.markdown.lexers import RawFencedCodeBlockLexer
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
-LABELS = {"gpu", "cluster", "template", "tested"}
-PARSED_ONLY = {"gpu", "cluster", "template", "tested"}
+LABELS = {"gpu", "cluster", "template", "tested", "repeat"}
+PARSED_ONLY = {"gpu", "cluster", "template", "tested", "repeat"}
 LINKED = ("examples", "benchmarks", "scripts", ".venv", "requirements", "pyproject.toml")
 TRAIN_MODULES = {f"rlhforge.cli.{m}" for m in ("train_sft", "train_rm", "train_dpo", "train_kto", "train_ppo_ray")}
 #: what each runnable command gets appended so the page runs in seconds (the documented sizes are the real ones)
@@ -340,6 +342,17 @@ def tested_elsewhere(block: Block) -> bool:
     return False
 
 
+def run_on_another_page(block: Block) -> list[str]:
+    """The commands of a ``repeat`` block that no run block of another page holds (empty: all are run there)."""
+    elsewhere = set()
+    for page in PAGES:
+        if page != block.page:
+            for other in page_blocks(page):
+                if other.language in ("bash", "sh", "shell") and not other.labels & PARSED_ONLY:
+                    elsewhere.update(map(tuple, shell_commands(other.source)))
+    return [shlex.join(argv) for argv in shell_commands(block.source) if tuple(argv) not in elsewhere]
+
+
 def walk(page: str, folder: Path) -> dict[str, int]:
     """Walk ``page``'s blocks in order in ``folder``: run or parse each (see the module docstring); the counts
     of blocks run and parsed, by kind."""
@@ -357,6 +370,9 @@ def walk(page: str, folder: Path) -> dict[str, int]:
 def _walk_block(state: PageRun, block: Block, run_by_command: set[int]) -> None:
     if "tested" in block.labels:
         assert tested_elsewhere(block), f"{block.where}: labelled `tested` but no test in tests/docs/ takes it"
+    if "repeat" in block.labels:
+        missing = run_on_another_page(block)
+        assert not missing, f"{block.where}: labelled `repeat` but no other page runs {missing}"
     if block.language == "json":
         json.loads(block.source)
         state.count("json parsed")
