@@ -12,7 +12,7 @@ the model's ranks, ``T`` = trainable parameters (all of them, or LoRA's adapters
 - trained models (actor, critic): parameters ``P*p`` (``/N`` under ZeRO-3), gradients ``T*p`` (``/N``
   under ZeRO-2/3), Adam states ``T*12`` under mixed precision (fp32 master + 2 moments; ``T*8`` in
   fp32), ``/N`` under ZeRO-1/2/3, in host memory with ``--ds.adam_offload``;
-- frozen models (ref, reward): parameters only, sharded like the actor under ZeRO-3;
+- frozen models (ref, reward, teacher): parameters only, sharded like the actor under ZeRO-3;
 - a vLLM engine: its weights ``P*p/TP`` per device, inside the ``--vllm.gpu_memory_utilization``
   fraction of the device it reserves (weights + KV cache).
 
@@ -141,7 +141,8 @@ def model_paths(cfg) -> dict[str, list[str]]:
     actor = cfg.actor.model_name_or_path
     rewards = reward_model_paths(cfg.reward.model_name_or_path)
     return {"actor": [actor], "ref": [actor], "reward": rewards,
-            "critic": [cfg.critic.model_name_or_path or (rewards[0] if rewards else actor)]}
+            "critic": [cfg.critic.model_name_or_path or (rewards[0] if rewards else actor)],
+            "teacher": [cfg.teacher.model_name_or_path or actor]}  # on-policy distillation: a frozen model
 
 
 def dtype_name(param_dtype: str, device: str) -> str:

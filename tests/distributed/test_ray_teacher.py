@@ -23,6 +23,26 @@ def test_teacher_is_placed_like_the_reference():
         plan_placement({"actor": 1, "teacher": 2}, device="cpu", colocate_actor_ref=True)
 
 
+def test_plan_report_counts_the_teachers_parameters(tiny_model_dir, tmp_path):
+    """--train.plan_only's table has a teacher row (the report reads the teacher's own folder; it had no path for
+    a teacher before and raised KeyError), on the actor's bundles with --train.colocate_actor_ref."""
+    from rlhforge.cli.train_ppo_ray import parse_rl_args
+    from rlhforge.distributed.placement import plan_sizes
+    from rlhforge.distributed.plan_report import count_parameters, model_paths, report
+
+    teacher = build_tiny_model(tmp_path / "teacher", TinyModelSpec(num_hidden_layers=4), seed=0)
+    cfg = parse_rl_args(["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset",
+                         "builtin:arithmetic", "--algo.advantage.estimator", "on_policy_distill",
+                         "--teacher.model_name_or_path", str(teacher), "--algo.kl.init_coef", "0",
+                         "--train.colocate_actor_ref", "--train.plan_only"], validate=False)
+    assert plan_sizes(cfg) == {"actor": 1, "teacher": 1}
+    text, _ = report(cfg, plan_placement(plan_sizes(cfg), device="cpu", colocate_actor_ref=True), strategy="torch")
+    row = next(x for x in text.splitlines() if x.strip().startswith("teacher"))
+    assert row.split()[1] == "actor", row
+    assert model_paths(cfg)["teacher"] == [str(teacher)]
+    assert count_parameters(str(teacher))[0] > count_parameters(str(tiny_model_dir))[0]  # its own size is counted
+
+
 def test_ray_teacher_group_matches_single_process(ray_cluster, tiny_model_dir, tmp_path):
     teacher = build_tiny_model(tmp_path / "teacher", TinyModelSpec(num_hidden_layers=3), seed=0)
 

@@ -371,7 +371,7 @@ class RLTrainer(RLCheckpointing, RLExperience):  # checkpoints.py: checkpoints, 
         unused device memory back before an engine maps memory: its KV cache (:meth:`_wake_engine`) or its
         weights (a sync, :meth:`sync_weights`)."""
         if self.cfg.vllm.enable_sleep:
-            for g in (self.actor, self.critic, self.ref, getattr(self, "reward_group", None)):
+            for g in (self.actor, self.critic, self.ref, getattr(self, "reward_group", None), self.teacher):
                 if g is not None:
                     g.call("release_cached_memory")
 
