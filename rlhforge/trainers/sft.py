@@ -80,7 +80,8 @@ class SFTTrainer:
 
             out = ring_token_logprobs(self.model, batch, self.ring)  # no aux loss with a ring (refused)
         else:
-            out = token_logprobs(self.model, batch, return_aux_loss=with_aux)
+            # the lm_head runs on the trained (loss-mask) tokens only: a prompt's logits are never read
+            out = token_logprobs(self.model, batch, return_aux_loss=with_aux, needed=batch["loss_mask"])
         logps, aux = out if with_aux else (out, None)
         return (-logps.float(), batch["loss_mask"].float()) + ((aux,) if with_aux else ())
 

@@ -128,3 +128,32 @@ def test_the_fused_adamw_of_the_cpu_strategy_follows_the_plain_one(tiny_model_di
         weights.append([p.detach().clone() for p in model.parameters()])
     moved = max(float((a - b).abs().max()) for a, b in zip(weights[0], weights[1]))
     assert moved < 1e-6
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sft_nll_on_the_trained_tokens_only_equals_the_full_head(tiny_model_dir, packed):
+    """SFT's per-token NLL with the lm_head on the loss-mask tokens only equals, on those tokens, the NLL
+    of the head on every position; the gradient of the masked sum too."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhforge.data.packing import collate_packed, collate_padded
+    from rlhforge.models.forward import token_logprobs
+    from rlhforge.trainers.sft import SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(9)
+    vocab = model.config.vocab_size
+    samples = [{"input_ids": torch.randint(2, vocab, (p + c,), generator=g).tolist(), "loss_mask": [0] * p + [1] * c}
+               for p, c in ((10, 6), (3, 20), (15, 2))]
+    collate = (lambda s: collate_packed(s)) if packed else (lambda s: collate_padded(s, 0))
+    trainer = SimpleNamespace(model=model, ring=None, _collate=collate)
+    nll, mask = SFTTrainer._token_nll(trainer, samples)
+    full = -token_logprobs(model, collate(samples))  # the former path: the head on every position
+    torch.testing.assert_close(nll * mask, full * mask, rtol=0, atol=1e-5)
+    assert float(nll[mask == 0].abs().sum()) == 0.0  # prompt positions: no logits computed
+    weight = model.get_output_embeddings().weight
+    (got,) = torch.autograd.grad((nll * mask).sum(), [weight])
+    (want,) = torch.autograd.grad((full * mask).sum(), [weight])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
