@@ -145,3 +145,25 @@ def test_teacher_and_estimator_come_together(tiny_model_dir, teacher_dir, tmp_pa
     line = refused_line(rl_main, rl_args(tiny_model_dir, tmp_path / "b", "--teacher.model_name_or_path",
                                          str(teacher_dir)), capsys)
     assert "--algo.advantage.estimator on_policy_distill" in line, line
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--algo.distill.coef", "0"], "leave nothing to learn from"),
+    (["--algo.distill.coef", "-1"], "--algo.distill.coef and --algo.distill.env_reward_coef must be >= 0"),
+    (["--algo.distill.discount", "1.5"], "--algo.distill.discount must be in [0, 1] (got 1.5)"),
+    (["--algo.distill.topk", "0"], "--algo.distill.topk must be >= 1 (got 0)"),
+    (["--teacher.num_gpus_per_node", "0"], "--teacher.num_gpus_per_node must be >= 1 (got 0)"),
+    (["--algo.distill.mode", "forward_kl_topk", "--ds.ring_attn_size", "2", "--ds.packing_samples",
+      "--actor.num_gpus_per_node", "2",
+      "--train.batch_size", "8"], "forward_kl_topk with --ds.ring_attn_size 2"),
+])
+def test_distill_flags_out_of_range_are_refused(tiny_model_dir, teacher_dir, tmp_path, capsys, extra, message):
+    line = refused_line(rl_main, _opd_args(tiny_model_dir, teacher_dir, tmp_path / "run", *extra), capsys)
+    assert message in line, line
+
+
+def test_k1_is_reverse_kl(tiny_model_dir, teacher_dir, tmp_path):
+    from rlhforge.config.rl_distill import distill_mode
+
+    cfg = parse_rl_args(_opd_args(tiny_model_dir, teacher_dir, tmp_path / "run", "--algo.distill.mode", "k1"))
+    assert distill_mode(cfg) == "reverse_kl"
