@@ -26,6 +26,10 @@ A micro-batch (:func:`collate_experience`) is a dict of tensors, padded or packe
 ``image_grid_thw`` [I, 3]           every image of the micro-batch in sample order, and
 ``mm_token_type_ids`` [B, T]        1 on the image tokens (:func:`rlhforge.data.images.vision_batch`)
 =================  ==============  ======================================================
+
+On-policy distillation's ``forward_kl_topk`` mode adds two sample tensors that are not per-token fields:
+``teacher_topk_ids`` and ``teacher_topk_logprobs``, ``[len, k]`` each; the actor lays them out like its
+micro-batch itself (:func:`rlhforge.workers.distill.topk_batch`).
 """
 
 from __future__ import annotations
