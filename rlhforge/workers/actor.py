@@ -364,6 +364,15 @@ class RefWorker:
 
     @torch.no_grad()
     def logprobs(self, samples, micro_batch_size: int, temperature: float) -> list[torch.Tensor]:
+        def score(model, batch, chunk):
+            logps = token_logprobs(model, batch, temperature, share_prefixes=True, needed=batch["loss_mask"])
+            return per_sample(logps, batch, chunk)
+
+        return self.score_samples(samples, micro_batch_size, score)
+
+    def score_samples(self, samples, micro_batch_size: int, score) -> list:
+        """``score(model, batch, chunk) -> one result per sample of chunk`` over the no-grad micro-batches
+        (collated on this worker's device), results in the order of ``samples``."""
         from rlhforge.backend.device import dist_info
         from rlhforge.backend.strategy import all_reduce_tensor
 
@@ -376,8 +385,7 @@ class RefWorker:
                 chunk = [samples[i] for i in idx]
                 batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
                                                      image_token_id=self.image_token_id), self.device)
-                logps = token_logprobs(model, batch, temperature, share_prefixes=True, needed=batch["loss_mask"])
-                for i, row in zip(idx, per_sample(logps, batch, chunk)):
+                for i, row in zip(idx, score(model, batch, chunk)):
                     out[i] = row
         return out
 

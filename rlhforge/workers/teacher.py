@@ -14,10 +14,8 @@ import torch
 from rlhforge.algorithms.distillation import shifted_topk_logprobs
 from rlhforge.models.forward import token_logprobs
 from rlhforge.workers.actor import RefWorker
-from rlhforge.workers.base import to_device
 from rlhforge.workers.distill import sample_rows
-from rlhforge.workers.experience import ExperienceSample, collate_experience
-from rlhforge.workers.micro_batches import micro_batch_groups
+from rlhforge.workers.experience import ExperienceSample
 
 __all__ = ["TeacherWorker"]
 
@@ -34,22 +32,12 @@ class TeacherWorker(RefWorker):
                       k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per sample ``(ids [len, k] int32, logprobs [len, k] fp32)``: row ``t`` holds the teacher's ``k`` most
         likely candidates for token ``t`` (at ``temperature``), zeros where ``t`` is not an action token."""
-        from rlhforge.backend.device import dist_info
-        from rlhforge.backend.strategy import all_reduce_tensor
 
-        out: list = [None] * len(samples)
-        world = dist_info().world_size
-        groups = micro_batch_groups([len(s) for s in samples], micro_batch_size, self.pass_tokens,
-                                    lambda t, op: all_reduce_tensor(t, op, world))
-        with self.frozen.use() as model:
-            for idx in groups:
-                chunk = [samples[i] for i in idx]
-                batch = to_device(collate_experience(chunk, self.tokenizer.pad_token_id, self.packed, fields=(),
-                                                     image_token_id=self.image_token_id), self.device)
-                _, logits = token_logprobs(model, batch, temperature, return_logits=True)
-                ids, lps = shifted_topk_logprobs(logits, k, temperature)
-                keep = batch["loss_mask"].bool()[..., None]
-                ids, lps = (ids * keep).to(torch.int32).cpu(), (lps * keep).float().cpu()
-                for i, row_ids, row_lps in zip(idx, sample_rows(ids, batch, chunk), sample_rows(lps, batch, chunk)):
-                    out[i] = (row_ids, row_lps)
-        return out
+        def score(model, batch, chunk):
+            _, logits = token_logprobs(model, batch, temperature, return_logits=True)
+            ids, lps = shifted_topk_logprobs(logits, k, temperature)
+            keep = batch["loss_mask"].bool()[..., None]
+            ids, lps = (ids * keep).to(torch.int32).cpu(), (lps * keep).float().cpu()
+            return list(zip(sample_rows(ids, batch, chunk), sample_rows(lps, batch, chunk)))
+
+        return self.score_samples(samples, micro_batch_size, score)
