@@ -2,11 +2,11 @@
 (issue 41), each from the same SFT warm start, same data, seed and flags; only ``--actor.policy_loss_type``
 differs (each loss at its defaults). Results: ``benchmarks/results/losses.json``.
 
-    python benchmarks/bench_losses.py                          # seed 0, 100 RL steps per loss (~4 min on 2 cores)
+    python benchmarks/bench_losses.py                          # seed 0, 100 RL steps per loss, then OPD vs GRPO (~8 min)
     python benchmarks/bench_losses.py --seeds 0 1 --rl_steps 150
     python benchmarks/bench_losses.py --losses ppo cispo --sft_steps 5 --rl_steps 3 --eval_size 20 \\
         --runs_dir /tmp/bl --results /tmp/bl.json                                                     # a smoke run
-    python benchmarks/bench_losses.py --opd only --seeds 0      # OPD vs GRPO only (~3 min), merged into the file
+    python benchmarks/bench_losses.py --opd only --seeds 0      # OPD vs GRPO only (3-6 min), merged into the file
 
 OPD vs GRPO (``--opd on``, the default, or ``only``): from the same SFT warm start a teacher is trained with GRPO
 (``--teacher_steps``), then plain GRPO, pure on-policy distillation from that teacher (reverse KL, no task
