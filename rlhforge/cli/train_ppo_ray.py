@@ -217,10 +217,11 @@ def build_trainer(cfg: RLConfig):
         # module holds only a shard of each weight, and LoRA adapters arrive merged into the base weights
         engine = HFEngine.from_pretrained(cfg.actor.model_name_or_path, tokenizer, device=device,
                                           batch_size=cfg.rollout.generate_batch_size, dtype=engine_dtype,
-                                          record_routing=cfg.train.routing_replay)
+                                          record_routing=cfg.train.routing_replay, hf_decode=cfg.rollout.hf_decode)
     else:
         engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size,
-                                     record_routing=cfg.train.routing_replay, dtype=engine_dtype)
+                                     record_routing=cfg.train.routing_replay, dtype=engine_dtype,
+                                     hf_decode=cfg.rollout.hf_decode)
     out = Path(cfg.ckpt.output_dir)
     save_yaml(cfg, out / "config.yaml")
     print(f"[rlhforge] rl: {cfg.algo.advantage.estimator} / {cfg.actor.policy_loss_type}: {len(prompts)} prompts"

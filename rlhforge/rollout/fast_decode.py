@@ -113,10 +113,29 @@ class FastDecoder:
         """Logits [B, V] of one decoding step: ``input_ids`` [B, 1], ``position_ids`` [B, 1], ``mask`` the
         padding mask as SDPA's boolean [B, 1, 1, L] (L: the cache's length after this step)."""
         sdpa = torch.nn.functional.scaled_dot_product_attention
+        b = input_ids.shape[0]
+        bias = None  # the bmm path's additive padding mask, built once per step (every layer has the same)
+
+        def attend(i, p, q, k, v):
+            nonlocal bias
+            k, v = cache.update(k, v, i)
+            if self.attention == "bmm" and k.device.type == "cpu":
+                if bias is None or bias.shape[0] != b * k.shape[1]:
+                    bias = padding_bias(mask, k.shape[1], k.dtype)
+                return grouped_decode_attention(q.to(k.dtype), k, v, bias, p["scaling"])
+            out = sdpa(q.to(k.dtype), k, v, attn_mask=mask, scale=p["scaling"],
+                       enable_gqa=q.shape[1] != k.shape[1])  # (a bf16 model's cache may be fp32)
+            return out.transpose(1, 2).reshape(b, 1, -1).contiguous()
+        return self.run(input_ids, position_ids, attend)
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+        """Logits [B, V] of one decoding step whose attention is ``attend(layer index, layer, q [B, H, 1, D],
+        k [B, KVH, 1, D], v [B, KVH, 1, D])`` -> ``[B, 1, H * D]`` (it stores the new keys/values and attends
+        over the cache): :meth:`step`'s over the KV cache, :mod:`rlhforge.rollout.graph_decode`'s over a
+        static buffer."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, position_ids)
         b = input_ids.shape[0]
-        bias = None  # the bmm path's additive padding mask, built once per step (every layer has the same)
         for i, p in enumerate(self.layers):
             x = p["norm1"](h)
             shape = (b, 1, -1, p["head_dim"])
@@ -124,16 +143,7 @@ class FastDecoder:
             if p["q_norm"] is not None:
                 q, k = p["q_norm"](q), p["k_norm"](k)
             q, k = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            k, v = cache.update(k, v.transpose(1, 2), i)
-            if self.attention == "bmm" and k.device.type == "cpu":
-                if bias is None or bias.shape[0] != b * k.shape[1]:
-                    bias = padding_bias(mask, k.shape[1], k.dtype)
-                out = grouped_decode_attention(q.to(k.dtype), k, v, bias, p["scaling"]).to(h.dtype)
-            else:
-                out = sdpa(q.to(k.dtype), k, v, attn_mask=mask, scale=p["scaling"],
-                           enable_gqa=q.shape[1] != k.shape[1]).to(h.dtype)  # (a bf16 model's cache may be fp32)
-                out = out.transpose(1, 2).reshape(b, 1, -1).contiguous()
-            h = h + p["o"](out)
+            h = h + p["o"](attend(i, p, q, k, v.transpose(1, 2)).to(h.dtype))
             x = p["norm2"](h)
             h = h + (p["mlp"](x) if p["mlp"] is not None else p["down"](p["act"](p["gate"](x)) * p["up"](x)))
         return self.lm_head(self.norm(h)[:, -1:, :])[:, -1, :]

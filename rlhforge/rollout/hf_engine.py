@@ -43,6 +43,7 @@ from typing import Iterable, Sequence
 import torch
 
 from rlhforge.rollout.engine import GenerationOutput, SamplingParams, params_per_prompt
+from rlhforge.rollout.hf_generate import shared_prompts as _shared_prompts
 
 __all__ = ["HFEngine", "filter_logits"]
 
@@ -61,7 +62,7 @@ class HFEngine:
                  batch_size: int = 64, record_routing: bool = False, image_token_id: int | None = None,
                  banned_token_ids: Sequence[int] = (), kv_cache: str = "preallocated", native_gqa: bool = True,
                  shared_prefill: bool = True, padding_mask_4d: bool = True, fast_decode: bool = True,
-                 decode_kernel: str = "bmm"):
+                 decode_kernel: str = "bmm", hf_decode: str = "auto"):
         if kv_cache not in ("preallocated", "dynamic"):
             raise ValueError(f"kv_cache must be 'preallocated' or 'dynamic', got {kv_cache!r}")
         self.model = model.eval()
@@ -107,30 +108,37 @@ class HFEngine:
         self.shared_prefill = shared_prefill
         """Requests with the same prompt in one batch (a GRPO group) share one prefill; its KV cache is
         copied to each of them before the first token is sampled (same outputs, a fraction of the work)."""
+        from rlhforge.rollout.graph_decode import GraphDecoder
+
+        self.graphs = GraphDecoder.build(self, hf_decode)
+        """``--rollout.hf_decode``: the static-shape decode loop (CUDA graphs on a GPU,
+        :mod:`rlhforge.rollout.graph_decode`), or None: the loop below."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64, record_routing: bool = False,
-                   kv_cache: str = "preallocated", dtype: torch.dtype | None = None) -> "HFEngine":
+                   kv_cache: str = "preallocated", dtype: torch.dtype | None = None, hf_decode: str = "auto"
+                   ) -> "HFEngine":
         """An engine with its own copy of ``model`` (the trainer's unwrapped module), in ``dtype`` if given
         (a bf16 run's engine decodes with bf16 weights, as a vLLM engine of that run would)."""
         engine_model = copy.deepcopy(model)
         if dtype is not None:
             engine_model = engine_model.to(dtype)
         return cls(engine_model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   batch_size=batch_size, record_routing=record_routing, kv_cache=kv_cache,
+                   batch_size=batch_size, record_routing=record_routing, kv_cache=kv_cache, hf_decode=hf_decode,
                    **_vision_kwargs(tokenizer))
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer, device: str | torch.device = "cpu", batch_size: int = 64,
                         dtype: torch.dtype = torch.float32, record_routing: bool = False,
-                        kv_cache: str = "preallocated") -> "HFEngine":
+                        kv_cache: str = "preallocated", hf_decode: str = "auto") -> "HFEngine":
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         vision = _vision_kwargs(tokenizer)
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model = auto.from_pretrained(path, dtype=dtype).to(device)
         return cls(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   batch_size=batch_size, record_routing=record_routing, kv_cache=kv_cache, **vision)
+                   batch_size=batch_size, record_routing=record_routing, kv_cache=kv_cache, hf_decode=hf_decode,
+                   **vision)
 
     # -- the protocol -----------------------------------------------------------------------------
     async def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams] | SamplingParams,
@@ -216,6 +224,8 @@ class HFEngine:
             raise ValueError("cannot generate from an empty prompt")
         # a request without a seed draws one from the global torch RNG (reproducible under manual_seed)
         seeds = [int(sp.seed) if sp.seed is not None else int(torch.randint(0, 2**62, ())) for sp in params]
+        if self.graphs is not None and vision is None:
+            return self.graphs.generate(prompts, params, seeds)
         outputs = [GenerationOutput([], [], "length") for _ in range(n)]
         rows = [i for i in range(n) if params[i].max_new_tokens > 0]
         if not rows:
@@ -340,19 +350,6 @@ class HFEngine:
         inputs = vision_batch(ids, visions, self.image_token_id)
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         return inputs, mrope_positions(self.model, ids, attn, inputs)
-
-
-def _shared_prompts(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(the first row of each distinct prompt, the distinct prompt of every row), or (None, None) if all differ."""
-    first: dict[tuple[int, ...], int] = {}
-    of_row = [first.setdefault(tuple(p), len(first)) for p in prompts]
-    if len(first) == len(prompts):
-        return None, None
-    firsts = [0] * len(first)
-    for r in range(len(prompts) - 1, -1, -1):
-        firsts[of_row[r]] = r
-    return (torch.tensor(firsts, dtype=torch.long, device=device),
-            torch.tensor(of_row, dtype=torch.long, device=device))
 
 
 def _padding_mask_is_enough(model) -> bool:

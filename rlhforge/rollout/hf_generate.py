@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["generate_ids", "counter_uniform", "filter_logits_batch", "sample_batch", "seed_keys"]
+__all__ = ["generate_ids", "counter_uniform", "filter_logits_batch", "sample_batch", "seed_keys", "shared_prompts"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -124,6 +124,19 @@ def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
         sampled = torch.argmax(filtered + gumbel, dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
     return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
+
+
+def shared_prompts(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the first row of each distinct prompt, the distinct prompt of every row), or (None, None) if all differ."""
+    first: dict[tuple[int, ...], int] = {}
+    of_row = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    if len(first) == len(prompts):
+        return None, None
+    firsts = [0] * len(first)
+    for r in range(len(prompts) - 1, -1, -1):
+        firsts[of_row[r]] = r
+    return (torch.tensor(firsts, dtype=torch.long, device=device),
+            torch.tensor(of_row, dtype=torch.long, device=device))
 
 
 @torch.no_grad()
