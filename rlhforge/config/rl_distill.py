@@ -61,6 +61,11 @@ def distill_mode(cfg) -> str:
     return DISTILL_MODE_ALIASES.get(mode, mode)
 
 
+def distill_topk_coef(cfg) -> float:
+    """The actor's forward-KL loss weight (:attr:`rlhforge.workers.losses.PolicyLossSpec.distill_topk_coef`)."""
+    return float(cfg.algo.distill.coef) if cfg.uses_teacher and distill_mode(cfg) == "forward_kl_topk" else 0.0
+
+
 def validate_distill(cfg) -> None:
     """The teacher and the estimator come together; coefficients in range; what the top-k mode cannot do."""
     d, teacher, est = cfg.algo.distill, cfg.teacher.model_name_or_path, cfg.algo.advantage.estimator

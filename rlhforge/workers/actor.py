@@ -27,13 +27,12 @@ from typing import Sequence
 
 import torch
 
-from rlhforge.algorithms import entropy_bonus, get_policy_loss, kl_loss
-from rlhforge.algorithms.kl import kl_loss_unbiased_gradient
 from rlhforge.backend.device import seed_everything
 from rlhforge.backend.step import StepNormaliser, run_no_grad, run_step, step_normaliser
 from rlhforge.config.batching import RLBatchPlan
 from rlhforge.workers.critic import CriticWorker, token_values
 from rlhforge.workers.experience import ExperienceSample, collate_experience
+from rlhforge.workers.losses import PolicyLossSpec, policy_objective
 from rlhforge.workers.micro_batches import micro_batch_groups, packed_as_rows
 from rlhforge.workers.base import (
     TrainableWorker,
@@ -59,34 +58,6 @@ def check_routing_replay(model, device) -> None:
             check_replayable(model, torch.arange(8, device=device)[None] % 5 + 1)
     except ValueError as err:
         raise ConfigError(f"--train.routing_replay: {err}") from err
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyLossSpec:
-    """Everything the actor update needs besides the data."""
-
-    loss_type: str = "ppo"
-    """A key of ``rlhforge.algorithms.POLICY_LOSSES`` (``ppo``, ``gspo``, ``cispo`` ... ``flash_reinforce``)."""
-    loss_kwargs: dict = dataclasses.field(default_factory=dict)
-    agg_mode: str = "token_mean"
-    norm_constant: float | None = None
-    temperature: float = 1.0
-    entropy_coef: float = 0.0
-    kl_loss_coef: float = 0.0
-    """beta of the KL loss term: the KL controller's value for this step (the trainer replaces the
-    spec every step; 0 disables the term)."""
-    kl_estimator: str = "k3"
-    kl_unbiased_gradient: bool = False
-    """``--algo.kl.unbiased_gradient``: the KL term keeps its value but back-propagates
-    ``w * (log pi - log pi_ref)``, ``w = pi / pi_old`` (``algorithms.kl.kl_loss_unbiased_gradient``)."""
-    use_rollout_logprobs_as_old: bool = False
-    distill_topk_coef: float = 0.0
-    """On-policy distillation's ``forward_kl_topk`` mode: weight of the forward KL over the teacher's top-k
-    (the samples carry the teacher's ids and log-probs; :mod:`rlhforge.workers.distill`); 0: off."""
-    old_from_this_forward: bool = False
-    """pi_old = this forward's detached log-probs (ratio 1 by construction): set by the trainer when the
-    rollout feeds exactly one optimizer step with nothing else needing pi_old first, so the separate
-    old-log-prob pass is skipped. Also reports the rollout-vs-trainer log-prob gap from this forward."""
 
 
 class ActorWorker(TrainableWorker):
@@ -170,8 +141,8 @@ class ActorWorker(TrainableWorker):
 
     # -- one optimizer step -----------------------------------------------------------------------
     def _loss(self, chunk, norm: StepNormaliser, spec: PolicyLossSpec, passes: int):
-        """One micro-batch's share of the step's policy loss (+ entropy bonus, KL loss, MoE balancing loss)
-        and its totals: the loss terms dp-scaled, the rest token-share weighted (:func:`reduce_step_metrics`)."""
+        """One micro-batch's forward: its log-probs and entropy (and what the objective's extra terms need),
+        then its share of the step's loss and its totals (:func:`rlhforge.workers.losses.policy_objective`)."""
         batch = self._experience(chunk)
         topk = {"return_logits": True} if spec.distill_topk_coef > 0 else {}  # the student's logits at top-k ids
         logp, *rest = self._token_logprobs(batch, spec.temperature, return_entropy=True,
@@ -185,42 +156,8 @@ class ActorWorker(TrainableWorker):
         entropy, *aux = rest
         if self.packed:  # one row per sample: sequence-level terms (seq-mean modes, GSPO) need samples
             batch, logp, entropy, *distill = packed_as_rows(batch, logp, entropy, *distill)
-        mask = batch["loss_mask"]
-        gap_metrics = {}
-        if spec.use_rollout_logprobs_as_old:
-            old = batch["rollout_logprobs"]
-        elif spec.old_from_this_forward:
-            old = logp.detach()
-            gap, tokens = (batch["rollout_logprobs"] - old) * mask, mask.sum().clamp_min(1)
-            gap_metrics = {"logprob_diff_rollout_vs_train": gap.abs().sum() / tokens, "vllm_kl": gap.sum() / tokens}
-        else:
-            old = batch["old_logprobs"]
-        tok_loss, metrics = get_policy_loss(spec.loss_type)(logp, old, batch["advantages"], mask,
-                                                            is_weights=batch["is_weights"], **spec.loss_kwargs)
-        policy_loss = norm.aggregate(tok_loss, mask, spec.agg_mode)
-        loss, totals = policy_loss, {"policy_loss": float(policy_loss.detach())}
-        if spec.entropy_coef:
-            loss = loss + norm.aggregate(entropy_bonus(entropy, mask, spec.entropy_coef), mask, spec.agg_mode)
-        if spec.kl_loss_coef > 0:
-            if spec.kl_unbiased_gradient:
-                kl_tok = kl_loss_unbiased_gradient(logp, batch["ref_logprobs"], mask, spec.kl_estimator, old)
-            else:
-                kl_tok = kl_loss(logp, batch["ref_logprobs"], mask, spec.kl_estimator)
-            kl_term = norm.aggregate(kl_tok, mask, spec.agg_mode)
-            loss = loss + spec.kl_loss_coef * kl_term
-            totals["kl_loss"] = float(kl_term.detach())
-        if distill:  # forward KL over the teacher's top-k (algorithms.distillation.forward_kl_topk)
-            fkl = norm.aggregate(distill[0], mask, spec.agg_mode)
-            loss = loss + spec.distill_topk_coef * fkl
-            metrics = {**metrics, "distill_forward_kl": (distill[0].detach() * mask).sum() / mask.sum().clamp_min(1)}
-        if aux:  # as OpenRLHF: coef x the micro-batch's balancing loss; the step's mean over micro-batches
-            loss = loss + self.aux_loss_coef * aux[0] / passes
-            totals["aux_loss"] = float(aux[0].detach()) / passes
-        weight = float(mask.sum()) / max(norm.tokens, 1.0)  # token share of this micro-batch
-        totals["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp_min(1)) * weight
-        for name, value in {**gap_metrics, **metrics}.items():
-            totals[name] = float(value) * weight
-        return loss, totals
+        return policy_objective(spec, norm, batch, logp, entropy, distill[0] if distill else None,
+                                aux[0] if aux else None, self.aux_loss_coef, passes)
 
     def train_step(self, samples: Sequence[ExperienceSample], spec: PolicyLossSpec) -> dict[str, float]:
         strategy = self.strategy

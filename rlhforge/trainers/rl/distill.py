@@ -21,17 +21,12 @@ from rlhforge.config.rl_distill import distill_mode
 from rlhforge.workers.distill import TOPK_IDS, TOPK_LOGPROBS
 from rlhforge.workers.experience import pad_rows
 
-__all__ = ["needs_student_logprobs", "distill_topk_coef", "teacher_experience"]
+__all__ = ["needs_student_logprobs", "teacher_experience"]
 
 
 def needs_student_logprobs(cfg) -> bool:
     """The reverse-KL reward reads the student's log-probs before the update (the old-log-prob pass runs)."""
     return cfg.uses_teacher and distill_mode(cfg) == "reverse_kl" and cfg.algo.distill.coef > 0
-
-
-def distill_topk_coef(cfg) -> float:
-    """The actor's forward-KL loss weight (:attr:`rlhforge.workers.actor.PolicyLossSpec.distill_topk_coef`)."""
-    return float(cfg.algo.distill.coef) if cfg.uses_teacher and distill_mode(cfg) == "forward_kl_topk" else 0.0
 
 
 def teacher_experience(cfg, teacher, samples, old_lp: torch.Tensor, mask: torch.Tensor

@@ -38,7 +38,6 @@ from rlhforge.algorithms import dynamic_filter, make_kl_controller
 from rlhforge.backend.fingerprint import check_engine_sync
 from rlhforge.backend.sync_probe import (PROBE_FALLBACK_TEXT, check_probe, compare_probe, default_probe_bound,
                                          probe_prompts)
-from rlhforge.config.rl_losses import policy_loss_setup
 from rlhforge.config.rl_workers import uses_ray
 from rlhforge.config.batching import RLBatchPlan
 from rlhforge.trainers.rl.rollouts import AsyncRollouts, RolloutBatch, SyncRollouts
@@ -48,8 +47,7 @@ from rlhforge.trainers.rl.checkpoints import RLCheckpointing, RLState, rl_guard
 from rlhforge.trainers.rl.prompts import GroupBuffer, PromptStream, gather_groups
 from rlhforge.trainers.rl.metrics import eval_metrics, version_lag
 from rlhforge.trainers.rl.experience import RLExperience
-from rlhforge.trainers.rl.distill import distill_topk_coef
-from rlhforge.workers.actor import PolicyLossSpec
+from rlhforge.workers.losses import policy_loss_spec
 from rlhforge.tracking.progress import Progress, progress_enabled
 
 __all__ = ["RLTrainer", "RLState", "request_seed"]
@@ -93,7 +91,8 @@ class RLTrainer(RLCheckpointing, RLExperience):  # checkpoints.py: checkpoints, 
         self.rollout_buffer = GroupBuffer()  # oversampling: accepted groups not trained yet
         self.max_new_tokens = cfg.rollout.max_new_tokens or max(1, cfg.data.max_len - max(len(p.ids) for p in prompts))
         self.gamma = self._gamma()
-        self.loss_spec = self._loss_spec()  # kl_loss_coef is set from the KL controller at every step
+        # kl_loss_coef is set from the KL controller at every step
+        self.loss_spec = policy_loss_spec(cfg, self.max_new_tokens, self._kl_loss_coef())
         self.old_from_update = False  # this step's pi_old comes from the update's forward (make_experience)
         self._loops = threading.local()  # one asyncio loop per thread (the async generator has its own)
         self.engine_lock = threading.Lock()  # generation vs weight sync (async mode)
@@ -108,26 +107,6 @@ class RLTrainer(RLCheckpointing, RLExperience):  # checkpoints.py: checkpoints, 
                   f"gamma is forced to 1.0 (as OpenRLHF does)", flush=True)
             return 1.0
         return adv.gamma
-
-    def _loss_spec(self) -> PolicyLossSpec:
-        cfg = self.cfg
-        a = cfg.actor
-        est = cfg.algo.advantage.record
-        agg = a.loss_agg_mode.replace("-", "_")  # every estimator, dr_grpo included (as OpenRLHF)
-        if est.policy_loss is not None:  # the estimator comes with its loss (flash_reinforce)
-            loss_type, kwargs, agg = est.policy_loss, {}, est.loss_agg_mode or agg
-        else:  # aliases resolved, the loss's own flags read; GSPO / GMPO are sequence-level (config/rl_losses.py)
-            loss_type, kwargs, forced_agg = policy_loss_setup(a)
-            agg = forced_agg or agg
-        # the Dr. GRPO paper's normaliser, on request: per-sequence token sum / max response length
-        norm = float(self.max_new_tokens) if agg == "seq_mean_token_sum_norm" else None
-        return PolicyLossSpec(
-            loss_type=loss_type, loss_kwargs=kwargs, agg_mode=agg, norm_constant=norm,
-            temperature=cfg.rollout.temperature, entropy_coef=a.entropy_coef or 0.0,
-            kl_loss_coef=self._kl_loss_coef(), kl_estimator=cfg.algo.kl.estimator,
-            kl_unbiased_gradient=cfg.algo.kl.unbiased_gradient,
-            use_rollout_logprobs_as_old=est.old_logprobs == "rollout", distill_topk_coef=distill_topk_coef(cfg),
-        )
 
     def _kl_loss_coef(self) -> float:
         """beta of the KL loss term for this step: the controller's current value (0 without use_loss)."""
