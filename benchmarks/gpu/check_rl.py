@@ -12,7 +12,7 @@ Run it through ``bash benchmarks/gpu/check_rl.sh`` (see benchmarks/gpu/README.md
 Stages, each in its own process with its own timeout, in order: env (versions, GPU, wheel install),
 bug1 (a host tensor in an NCCL all-reduce, and the fix), nccl_group (the weight-sync channel as an NCCL
 group of one), ipc_sync (CUDA-IPC weight sync into a plain-torch receiver: fingerprints, greedy tokens,
-s/GB), gpu_tests (pytest -m gpu), grpo_torch, grpo_fsdp2 and grpo_deepspeed (GRPO through rlhforge's RL CLI
+s/GB), gpu_tests (pytest -m gpu), hf_decode (the HF engine's eager and CUDA-graph decode loops), grpo_torch, grpo_fsdp2 and grpo_deepspeed (GRPO through rlhforge's RL CLI
 on a ~0.4B Qwen3-shaped random model, bf16; DeepSpeed as ZeRO-3 with ``--ds.enable_sleep --ds.adam_offload``), trl (TRL's GRPOTrainer side by side). The model is built in the
 background while the first stages run. The results JSON is rewritten after every stage (and copied to
 $OUT when that names a folder), so a later failure or a timeout keeps what ran before.
@@ -39,18 +39,19 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from gpu_metrics import now, parse_pytest, read_json, safetensors_params, write_json  # noqa: E402
+from gpu_metrics import (generation_line, now, parse_pytest, read_json, safetensors_params,  # noqa: E402
+                         wheel_fits, write_json)
 
 SCHEMA = "rlhforge.gpu_check/2"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_check.json"
-ORDER = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "grpo_torch", "grpo_fsdp2", "grpo_deepspeed",
-         "trl")
+ORDER = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "hf_decode", "grpo_torch", "grpo_fsdp2",
+         "grpo_deepspeed", "trl")
 STRATEGIES = ("torch", "fsdp2", "deepspeed")
 # per-stage timeouts (s); the whole check also stops at --budget-s. The model build runs beside bug1..gpu_tests.
 CAPS = {"gpu": {"env": 40, "bug1": 30, "nccl_group": 30, "ipc_sync": 50, "gpu_tests": 70, "model": 150,
-                "grpo_torch": 80, "grpo_fsdp2": 80, "grpo_deepspeed": 150, "trl": 60},
+                "hf_decode": 60, "grpo_torch": 80, "grpo_fsdp2": 80, "grpo_deepspeed": 150, "trl": 60},
         "cpu-smoke": {"env": 40, "bug1": 40, "nccl_group": 40, "ipc_sync": 60, "gpu_tests": 90, "model": 120,
-                      "grpo_torch": 100, "grpo_fsdp2": 100, "grpo_deepspeed": 200, "trl": 100}}
+                      "hf_decode": 90, "grpo_torch": 100, "grpo_fsdp2": 100, "grpo_deepspeed": 200, "trl": 100}}
 # issue 39, point 4: the DeepSpeed stage is ZeRO-3 with the hybrid engine's sleep and the optimizer on the host
 # (DeepSpeed from the carried wheel, built here with DS_BUILD_OPS=0: its cpu_adam op is JIT-built on first use)
 DEEPSPEED_FLAGS = ["--ds.zero_stage", "3", "--ds.enable_sleep", "--ds.adam_offload"]
@@ -345,6 +346,13 @@ class Check:
                                   "shape": SHAPE[self.mode], "dtype": "bf16" if self.cuda else "fp32",
                                   "trl_optional": not self.cuda})
 
+    def hf_decode(self, model: Path | None) -> None:  # issue 42 item 2: eager vs graphs decode, the GRPO shape
+        sh = SHAPE[self.mode]
+        if model is None:
+            return self.stage("hf_decode").update(status="skipped", why="the model was not built (see stage model)")
+        self.child("hf_decode", "hf_decode", {**self.base_spec(), "model": str(model), "new_tokens": sh["new_tokens"],
+                                              "rows": sh["prompts"] * sh["samples"], "rounds": 3 if self.cuda else 1})
+
     # ------------------------------------------------------------------ all
     def main(self) -> int:
         try:
@@ -361,7 +369,7 @@ class Check:
             if "env" in only:
                 self.env_stage()
                 self.save()
-            needs_model = {"model", "trl"} | {f"grpo_{s}" for s in STRATEGIES}
+            needs_model = {"model", "hf_decode", "trl"} | {f"grpo_{s}" for s in STRATEGIES}
             handle = self.start_model() if only & needs_model else None
             self.save()
             for name in ("bug1", "nccl_group", "ipc_sync"):
@@ -374,6 +382,9 @@ class Check:
             if handle is not None or (self.dry and only & needs_model):
                 model = self.wait_model(handle)
                 self.save()
+                if "hf_decode" in only:
+                    self.hf_decode(model)
+                    self.save()
                 for strategy in STRATEGIES:
                     if f"grpo_{strategy}" in only:
                         self.grpo(strategy, model)
@@ -391,7 +402,7 @@ class Check:
         bad = [k for k, v in stages.items() if v.get("status") not in ("ok", "n/a", "dry-run")]
         code = 1 if bad or self.res.get("crash") else 0
         self.res.update(finished_at=now(), ok=code == 0, exit_code=code, failed_stages=bad)
-        self.res["summary"] = [headline(k, stages[k]) for k in ORDER if k in stages]
+        self.res["summary"] = [headline(k, stages[k]) for k in ORDER if k in stages] + generation_line(stages)
         self.save()
         if self.dry:
             print("DRY-RUN: nothing was run; the results would go to", self.out)
@@ -407,17 +418,6 @@ class Check:
         verdict = "OK" if code == 0 else f"FAILED ({', '.join(bad) or 'crash'})"
         print(f"[check_rl] {verdict} in {time.time() - self.t0:.0f} s; results: {self.out}", flush=True)
         return code
-
-
-def wheel_fits(name: str, python: str) -> bool:
-    """A wheel's Python tag (``py3``, ``py312``, ``cp312``...) fits ``python``'s version."""
-    try:
-        out = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2], sep='')"], capture_output=True,
-                             text=True, timeout=60).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return True
-    tags = name[:-4].split("-")[-3].split(".")
-    return any(t in ("py3", f"py{out}", f"cp{out}") for t in tags)
 
 
 def headline(name: str, rec: dict) -> str:
@@ -440,6 +440,8 @@ def headline(name: str, rec: dict) -> str:
         elif name == "gpu_tests" and rec.get("counts"):
             c = rec["counts"]
             s += f"  {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, {c['errors']} errors"
+        elif name == "hf_decode" and r.get("headline"):
+            s += f"  {r['headline']}"
         elif name == "model" and rec.get("num_params"):
             s += f"  {rec['num_params'] / 1e6:.1f}M parameters"
         elif name in ("trl", *(f"grpo_{s}" for s in STRATEGIES)) and r.get("summary"):

@@ -12,6 +12,7 @@ so a stage killed at its timeout still leaves what it measured. Stages here:
                   and greedy tokens compared, seconds per GB
 - ``grpo``        GRPO steps through ``rlhforge.cli.train_ppo_ray.main`` (gpu_rl.py)
 - ``trl``         TRL's GRPOTrainer on the same model, prompts and reward (gpu_rl.py)
+- ``hf_decode``   the HF engine's eager and graphs decode loops on the same model (gpu_decode.py)
 
 On CPU (``--cpu-smoke``) the same code runs with gloo and CPU shared memory instead of NCCL and CUDA IPC.
 """
@@ -319,7 +320,7 @@ def run_ipc_sync(spec: dict, res: Result) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="check_rl_child.py")
-    p.add_argument("stage", choices=("env", "bug1", "nccl_group", "ipc_sync", "grpo", "trl"))
+    p.add_argument("stage", choices=("env", "bug1", "nccl_group", "ipc_sync", "grpo", "trl", "hf_decode"))
     p.add_argument("--spec", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -329,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     res.save()
     if a.stage == "env":
         from gpu_env import run_env as fn
+    elif a.stage == "hf_decode":
+        from gpu_decode import run_hf_decode as fn
     elif a.stage in ("grpo", "trl"):
         import gpu_rl
 

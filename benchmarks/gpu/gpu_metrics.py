@@ -8,6 +8,7 @@ import json
 import os
 import re
 import struct
+import subprocess
 import time
 from pathlib import Path
 
@@ -129,3 +130,27 @@ def parse_pytest(output: str) -> dict:
     failed = [ln.strip() for ln in lines if ln.startswith("FAILED")]
     errors = [ln.strip() for ln in lines if ln.startswith("ERROR")]
     return {**counts, "skip_reasons": skipped[:40], "failed_tests": failed[:40], "error_lines": errors[:40]}
+
+
+def wheel_fits(name: str, python: str) -> bool:
+    """A wheel's Python tag (``py3``, ``py312``, ``cp312``...) fits ``python``'s version."""
+    try:
+        out = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2], sep='')"], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    tags = name[:-4].split("-")[-3].split(".")
+    return any(t in ("py3", f"py{out}", f"cp{out}") for t in tags)
+
+
+def generation_line(stages: dict) -> list[str]:
+    """The HF engine's graphs decode loop (stage hf_decode) against its eager loop and TRL's generation."""
+    d, t, g = ((stages.get(k) or {}).get("result") or {} for k in ("hf_decode", "trl", "grpo_torch"))
+    graphs = (d.get("graphs") or {}).get("tokens_per_s_median")
+    trl = (t.get("summary") or {}).get("generation_tokens_per_s_steady")
+    if not graphs:
+        return []
+    vs = f" = {graphs / trl:.2f}x TRL's GRPO generation ({trl:.0f} tok/s)" if trl else ""
+    ours = (g.get("summary") or {}).get("generation_tokens_per_s_steady")
+    return [f"generation: HF engine graphs {graphs:.0f} tok/s{vs}; eager {d['eager']['tokens_per_s_median']:.0f} tok/s"
+            + (f"; grpo_torch's rollouts (hf_decode auto) {ours:.0f} tok/s" if ours else "")]

@@ -16,8 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu" / "check_rl.sh"
-STAGES = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "grpo_torch", "grpo_fsdp2", "grpo_deepspeed",
-          "trl")
+STAGES = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "hf_decode", "grpo_torch", "grpo_fsdp2",
+          "grpo_deepspeed", "trl")
 
 
 def _load(name: str):
@@ -122,8 +122,8 @@ def test_cpu_smoke_runs_every_stage_to_a_passing_json(tmp_path):
     assert r.returncode == 0, (data.get("failed_stages"), r.stdout[-4000:], r.stderr[-2000:])
     assert data["mode"] == "cpu-smoke" and data["ok"] and data["exit_code"] == 0
     st = data["stages"]
-    assert list(st) == ["env", "model", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "grpo_torch", "grpo_fsdp2",
-                        "grpo_deepspeed", "trl"]
+    assert list(st) == ["env", "model", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "hf_decode", "grpo_torch",
+                        "grpo_fsdp2", "grpo_deepspeed", "trl"]
     for name, rec in st.items():
         assert rec["status"] in ("ok", "n/a"), (name, rec)
     assert st["trl"]["status"] == ("ok" if importlib.util.find_spec("trl") else "n/a")
@@ -142,5 +142,8 @@ def test_cpu_smoke_runs_every_stage_to_a_passing_json(tmp_path):
         summary = st[name]["result"]["summary"]
         assert summary["steps"] == 2 and summary["per_step"][0]["generated_tokens"] > 0, name
         assert {"generation", "training", "sync"} <= set(summary["phase_s_mean"]), name
-    assert len(data["summary"]) == len(STAGES)
+    decode = st["hf_decode"]["result"]  # the static step runs eagerly on CPU: the eager loop's greedy tokens
+    assert decode["greedy_rows_equal"] == decode["greedy_rows"] == 8 and not decode["graphs_captured"]
+    assert decode["graphs"]["tokens_per_s_median"] > 0 and decode["eager"]["tokens_per_s_median"] > 0
+    assert len(data["summary"]) == len(STAGES) + 1 and data["summary"][-1].startswith("generation: HF engine graphs")
     assert (results.stat().st_mtime if results.exists() else None) == before  # the smoke never writes there
