@@ -160,14 +160,16 @@ class GraphDecoder:
         if mode == "eager" or (mode == "auto" and engine.device.type != "cuda"):
             return None
         fast = FastDecoder.build(engine.model) if engine.kv_cache == "preallocated" and engine.padding_mask_4d else None
-        if fast is None or engine.record_routing or engine.image_token_id is not None:
+        rope = str(getattr(getattr(fast, "rotary", None), "rope_type", "default"))  # these update on the host
+        if fast is None or engine.record_routing or engine.image_token_id is not None or "dynamic" in rope \
+                or rope == "longrope":
             if mode == "auto":
                 return None
             raise ConfigError(f"--rollout.hf_decode graphs: {type(engine.model).__name__} is not supported (text-only "
-                             "Llama / Qwen2 / Qwen3 / Mistral without a sliding window, sdpa attention, no routing "
-                             "replay); use --rollout.hf_decode eager or auto")
+                             "Llama / Qwen2 / Qwen3 / Mistral without a sliding window, sdpa attention, no dynamic "
+                             "or longrope RoPE, no routing replay); use --rollout.hf_decode eager or auto")
         decoder = cls(engine, fast, graphs=engine.device.type == "cuda")
-        if mode == "auto":  # a capture that fails here (a driver, a kernel that cannot be captured) keeps the eager loop
+        if mode == "auto":  # a capture that fails here (a driver, a kernel that cannot be captured): the eager loop
             try:
                 decoder.step_for(1, 1)
             except Exception as err:  # noqa: BLE001 - auto falls back, and says so
@@ -182,12 +184,21 @@ class GraphDecoder:
             self.fast = FastDecoder.build(self.engine.model)
             self.steps.clear()
             self.param_ptrs = _param_ptrs(self.engine.model)
-        if key not in self.steps:
-            if len(self.steps) >= self.MAX_BUCKETS:
-                self.steps.pop(next(iter(self.steps)))
-            self.steps[key] = StaticStep(self.fast, *key, self.kv_heads, self.dtype, self.engine.device,
-                                         self.graphs)
+        if key in self.steps:
+            self.steps[key] = self.steps.pop(key)  # most recently used last
+            return self.steps[key]
+        # the KV buffers kept: at most as many bytes again as the new bucket's (oldest buckets go first)
+        new = self.kv_bytes(*key)
+        while self.steps and (len(self.steps) >= self.MAX_BUCKETS
+                              or sum(self.kv_bytes(*k) for k in self.steps) > new):
+            self.steps.pop(next(iter(self.steps)))
+        self.steps[key] = StaticStep(self.fast, *key, self.kv_heads, self.dtype, self.engine.device, self.graphs)
         return self.steps[key]
+
+    def kv_bytes(self, rows: int, length: int) -> int:
+        """The KV buffers of a (rows, length) bucket, in bytes."""
+        per_token = sum(2 * self.kv_heads * p["head_dim"] for p in self.fast.layers) * self.dtype.itemsize
+        return rows * length * per_token
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], seeds: Sequence[int],

@@ -91,6 +91,18 @@ def test_a_bucket_is_reused_across_batches_and_follows_a_weight_sync(tmp_path):
     assert static.graphs.steps[(4, 128)] is step  # weights copied in place: the same buffers (and graph) serve
 
 
+def test_buckets_kept_hold_at_most_the_new_buckets_bytes_again(tmp_path):
+    model, tok = _model(tmp_path, "llama")  # 2 layers, 2 KV heads of 32, fp32: 2 x 2 x 2 x 32 x 4 = 1 KiB a token
+    dec = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, hf_decode="graphs").graphs
+    assert dec.kv_bytes(4, 128) == 4 * 128 * 1024
+    dec.step_for(3, 100), dec.step_for(3, 200)  # 0.5 MiB, then 1 MiB: both kept
+    assert list(dec.steps) == [(4, 128), (4, 256)]
+    dec.step_for(8, 100)  # 1 MiB: the oldest (0.5) goes, 1 MiB stays
+    assert list(dec.steps) == [(4, 256), (8, 128)]
+    dec.step_for(3, 1)  # 0.5 MiB: both larger ones go
+    assert list(dec.steps) == [(4, 128)]
+
+
 def test_unsupported_choices_are_refused_naming_the_flag(tmp_path):
     model, tok = _model(tmp_path, "phi3", kv_heads=4)  # fused projections: no lean step
     kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
@@ -134,7 +146,8 @@ def test_the_rl_command_refuses_graphs_for_an_unsupported_model_at_start_up(tmp_
     from rlhforge.cli.train_ppo_ray import main as rl_main
 
     path = build_tiny_model(tmp_path / "phi3", TinyModelSpec(num_key_value_heads=4), seed=0, arch="phi3")
-    argv = ["--actor.model_name_or_path", str(path), "--data.prompt_dataset", "builtin:arithmetic?n=8", "--data.input_key", "prompt",
+    argv = ["--actor.model_name_or_path", str(path), "--data.prompt_dataset", "builtin:arithmetic?n=8",
+            "--data.input_key", "prompt",
             "--reward.remote_url", "builtin:arithmetic", "--rollout.batch_size", "2", "--train.batch_size", "2",
             "--rollout.max_new_tokens", "4", "--train.max_steps", "1", "--ckpt.output_dir", str(tmp_path / "run"),
             "--ckpt.path", str(tmp_path / "run" / "ckpts"), "--rollout.hf_decode", "graphs"]
