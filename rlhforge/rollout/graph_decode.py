@@ -30,6 +30,7 @@ Mistral without a window), text only, without MoE routing records.
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -145,6 +146,7 @@ class GraphDecoder:
     def __init__(self, engine, fast: FastDecoder, graphs: bool):
         self.engine, self.fast, self.graphs = engine, fast, graphs
         self.steps: dict[tuple[int, int], StaticStep] = {}
+        self._busy = threading.Lock()
         self.param_ptrs = _param_ptrs(engine.model)
         config = engine.model.config.get_text_config(decoder=True)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
@@ -200,12 +202,21 @@ class GraphDecoder:
         per_token = sum(2 * self.kv_heads * p["head_dim"] for p in self.fast.layers) * self.dtype.itemsize
         return rows * length * per_token
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], seeds: Sequence[int],
-                 check_every: int = 4) -> list[GenerationOutput]:
-        """The engine's ``_generate_batch`` (same inputs, same outputs) on the static step. The host reads the
-        finished rows every ``check_every`` steps (the steps in between decode rows that may have finished:
-        their tokens are not recorded)."""
+                 check_every: int = 4) -> list[GenerationOutput] | None:
+        """The engine's ``_generate_batch`` (same inputs, same outputs) on the static step, or None while another
+        thread's generation holds the static buffers (the engine's generation pool runs several: that batch
+        takes the eager loop). The host reads the finished rows every ``check_every`` steps (the steps in
+        between decode rows that may have finished: their tokens are not recorded)."""
+        if not self._busy.acquire(blocking=False):
+            return None
+        try:
+            return self._generate(prompts, params, seeds, check_every)
+        finally:
+            self._busy.release()
+
+    @torch.no_grad()
+    def _generate(self, prompts, params, seeds, check_every: int) -> list[GenerationOutput]:
         from rlhforge.rollout.hf_generate import sample_batch, seed_keys, shared_prompts
         from rlhforge.rollout.kv_cache import PreallocatedCache
 

@@ -224,8 +224,10 @@ class HFEngine:
             raise ValueError("cannot generate from an empty prompt")
         # a request without a seed draws one from the global torch RNG (reproducible under manual_seed)
         seeds = [int(sp.seed) if sp.seed is not None else int(torch.randint(0, 2**62, ())) for sp in params]
-        if self.graphs is not None and vision is None:
-            return self.graphs.generate(prompts, params, seeds)
+        if self.graphs is not None and vision is None:  # None: another thread's batch holds the static buffers
+            got = self.graphs.generate(prompts, params, seeds)
+            if got is not None:
+                return got
         outputs = [GenerationOutput([], [], "length") for _ in range(n)]
         rows = [i for i in range(n) if params[i].max_new_tokens > 0]
         if not rows:

@@ -91,6 +91,22 @@ def test_a_bucket_is_reused_across_batches_and_follows_a_weight_sync(tmp_path):
     assert static.graphs.steps[(4, 128)] is step  # weights copied in place: the same buffers (and graph) serve
 
 
+def test_concurrent_generations_from_threads_keep_their_own_tokens(tmp_path):
+    """The agent layer's generation pool calls generate_sync from several threads: one batch holds the static
+    buffers, a concurrent one takes the eager loop; every output is still the eager engine's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, tok = _model(tmp_path, "qwen3")
+    eager, static = _engines(model, tok, [len(tok) + 7])
+    batches = [_prompts(4, len(tok), seed=s) for s in range(6)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    want = [eager.generate_sync(b, params) for b in batches]
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda b: static.generate_sync(b, params), batches))
+    for w, g in zip(want, got):
+        assert [o.token_ids for o in w] == [o.token_ids for o in g]
+
+
 def test_buckets_kept_hold_at_most_the_new_buckets_bytes_again(tmp_path):
     model, tok = _model(tmp_path, "llama")  # 2 layers, 2 KV heads of 32, fp32: 2 x 2 x 2 x 32 x 4 = 1 KiB a token
     dec = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, hf_decode="graphs").graphs
