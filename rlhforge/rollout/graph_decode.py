@@ -77,6 +77,7 @@ class StaticStep:
         if graphs:
             self._capture(pool)
 
+    @torch.no_grad()
     def _step(self) -> torch.Tensor:
         rows, kvh, length = self.rows, self.kv_heads, self.length
         self.mask.index_fill_(-1, self.slot, 0.0)  # this step's token: every row attends to it
@@ -97,6 +98,7 @@ class StaticStep:
             return out.reshape(rows, 1, -1)
         return self.fast.run(self.ids, self.pos, attend).float()
 
+    @torch.no_grad()
     def _capture(self, pool) -> None:
         """Warm up on a side stream (allocator, cuBLAS workspaces), then capture one step. The warm-up and the
         capture write slot 0 of the buffers; :meth:`load` resets the mask of every batch."""

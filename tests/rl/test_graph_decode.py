@@ -173,3 +173,29 @@ def test_the_rl_command_refuses_graphs_for_an_unsupported_model_at_start_up(tmp_
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err, err
     assert "--rollout.hf_decode graphs: Phi3ForCausalLM is not supported" in err
+
+
+def test_the_rl_command_generates_with_the_graphs_loop(tmp_path, monkeypatch):
+    """``--rollout.hf_decode graphs`` reaches the trainer's engine: two GRPO steps (a weight sync between them)
+    generate every rollout through the static loop."""
+    from rlhforge.cli.train_ppo_ray import main as rl_main
+
+    calls = []
+    real = GraphDecoder._generate
+
+    def spy(self, prompts, *args):
+        calls.append(len(prompts))
+        return real(self, prompts, *args)
+
+    monkeypatch.setattr(GraphDecoder, "_generate", spy)
+    path = build_tiny_model(tmp_path / "llama", TinyModelSpec(), seed=0, arch="llama")
+    argv = ["--actor.model_name_or_path", str(path), "--data.prompt_dataset", "builtin:arithmetic?n=8",
+            "--data.input_key", "prompt", "--data.label_key", "answer", "--reward.remote_url", "builtin:arithmetic",
+            "--rollout.batch_size", "2",
+            "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "4", "--rollout.max_new_tokens", "6",
+            "--train.max_steps", "2", "--algo.advantage.estimator", "group_norm", "--ds.param_dtype", "fp32",
+            "--ckpt.output_dir", str(tmp_path / "run"), "--ckpt.path", str(tmp_path / "run" / "ckpts"),
+            "--rollout.hf_decode", "graphs"]
+    assert rl_main(argv) == 0
+    assert calls == [4, 4]  # 2 prompts x 2 samples per step
+
