@@ -70,6 +70,15 @@ def _trainer(cfg, tmp_path, *, actor=None, ref=None, executor=None):
                      executor=executor or SimpleNamespace())
 
 
+def test_on_policy_distillation_names_its_own_discount_when_gamma_is_set(tmp_path, capsys):
+    t = _trainer(_cfg("--algo.advantage.estimator", "on_policy_distill", "--teacher.model_name_or_path", "unused",
+                      "--algo.advantage.gamma", "0.9"), tmp_path)
+    assert t.gamma == 1.0
+    out = capsys.readouterr().out
+    assert out.count("--algo.advantage.gamma 0.9 is ignored with on_policy_distill: its discount is "
+                     "--algo.distill.discount") == 1 and "forced to 1.0" not in out
+
+
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce"])
 def test_gamma_is_forced_to_one_for_group_estimators(estimator, tmp_path, capsys):
     t = _trainer(_cfg("--algo.advantage.estimator", estimator, "--algo.advantage.gamma", "0.9"), tmp_path)

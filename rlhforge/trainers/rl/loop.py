@@ -103,8 +103,10 @@ class RLTrainer(RLCheckpointing, RLExperience):  # checkpoints.py: checkpoints, 
         """OpenRLHF forces gamma = 1 for the group / batch-baseline estimators (with a warning)."""
         adv = self.cfg.algo.advantage
         if adv.record.gamma_one and adv.gamma != 1.0:
-            print(f"[rlhforge] warning: --algo.advantage.gamma {adv.gamma} is ignored with {adv.estimator}: "
-                  f"gamma is forced to 1.0 (as OpenRLHF does)", flush=True)
+            why = ("its discount is --algo.distill.discount" if adv.estimator == "on_policy_distill"
+                   else "gamma is forced to 1.0 (as OpenRLHF does)")
+            print(f"[rlhforge] warning: --algo.advantage.gamma {adv.gamma} is ignored with {adv.estimator}: {why}",
+                  flush=True)
             return 1.0
         return adv.gamma
 
