@@ -3,7 +3,11 @@
 static step run eagerly on CPU), same weights, same prompts.
 
     python benchmarks/bench_hf_decode.py                       # CPU: tiny Qwen3, 16 rows x 32 tokens (~1 min)
+    python benchmarks/bench_hf_decode.py --device cuda --rows 64 --new 128 --dtype bf16 --size check
     python benchmarks/bench_hf_decode.py --device cuda --rows 64 --new 128 --dtype bf16 --model FOLDER
+
+``--size check`` builds the GPU check's 0.38B Qwen3 shape (hidden 1024, 24 layers, 16 heads / 8 KV heads,
+MLP 4096, 1k vocabulary; random weights) instead of the tiny default.
 
 Two passes per mode: greedy (the two modes' tokens compared row by row, and the largest log-prob gap over
 rows with equal tokens), then timed rounds of seeded sampling (temperature 1, one seed per request; the eos
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--model", default=None, help="a model folder (default: a tiny Qwen3 built here)")
+    p.add_argument("--size", default="tiny", choices=("tiny", "check"), help="the model built without --model")
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
@@ -102,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = None
     if a.model is None:
         spec = TinyModelSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                             num_key_value_heads=4)
+                             num_key_value_heads=4) if a.size == "tiny" else \
+            TinyModelSpec(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                          num_key_value_heads=8)
         a.model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench_hf_decode_")) / "model", spec, seed=0,
                                        arch="qwen3"))
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
