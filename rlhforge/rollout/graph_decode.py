@@ -219,7 +219,7 @@ class GraphDecoder:
 
     @torch.no_grad()
     def _generate(self, prompts, params, seeds, check_every: int) -> list[GenerationOutput]:
-        from rlhforge.rollout.hf_generate import sample_batch, seed_keys, shared_prompts
+        from rlhforge.rollout.hf_generate import batch_sampling, left_padded, sample_batch, shared_prompts
         from rlhforge.rollout.kv_cache import PreallocatedCache
 
         eng, dev = self.engine, self.engine.device
@@ -227,27 +227,15 @@ class GraphDecoder:
         rows = [i for i in range(len(prompts)) if params[i].max_new_tokens > 0]
         if not rows:
             return outputs
-        n, width = len(rows), max(len(prompts[i]) for i in rows)
-        ids = torch.full((n, width), eng.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            ids[r, width - len(prompts[i]):] = torch.as_tensor(list(prompts[i]), dtype=torch.long)
-            attn[r, width - len(prompts[i]):] = 1
-        ps = [params[i] for i in rows]
-        temperature = torch.tensor([float(sp.temperature) for sp in ps], device=dev)
-        top_p = torch.tensor([float(sp.top_p) for sp in ps], device=dev)
-        top_k = torch.tensor([int(sp.top_k or 0) for sp in ps], device=dev)
-        keys = seed_keys([seeds[i] for i in rows]).to(dev)
-        flags = dict(all_greedy=all(sp.temperature <= 0 for sp in ps),
-                     any_filter=any(sp.top_p < 1.0 or (sp.top_k or 0) > 0 for sp in ps),
+        ids, attn = left_padded([prompts[i] for i in rows], eng.pad_token_id)
+        n, width = ids.shape
+        b = batch_sampling([params[i] for i in rows], [seeds[i] for i in rows], eng.eos_token_ids, dev)
+        temperature, top_p, top_k, keys, max_new, stops = (b[k] for k in ("temperature", "top_p", "top_k", "keys",
+                                                                           "max_new", "stops"))
+        flags = dict(all_greedy=b["all_greedy"], any_filter=b["any_filter"],
                      banned=eng.banned if len(eng.banned) else None)
-        max_new = torch.tensor([sp.max_new_tokens for sp in ps], device=dev)
-        stop_sets = [sorted(set(sp.stop_token_ids) | set(eng.eos_token_ids)) for sp in ps]
-        stops = torch.full((n, max(len(s) for s in stop_sets)), -1, dtype=torch.long)
-        for r, st in enumerate(stop_sets):
-            stops[r, : len(st)] = torch.tensor(st, dtype=torch.long)
-        stops, ids, attn = stops.to(dev), ids.to(dev), attn.to(dev)
-        steps = int(max(sp.max_new_tokens for sp in ps))
+        ids, attn = ids.to(dev), attn.to(dev)
+        steps = int(max(params[i].max_new_tokens for i in rows))
         position = (attn.cumsum(-1) - 1).clamp(min=0)
         firsts, copies = (None, None) if not eng.shared_prefill else shared_prompts([prompts[i] for i in rows], dev)
         pick = (lambda x: x) if firsts is None else (lambda x: x[firsts])

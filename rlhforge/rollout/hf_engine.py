@@ -217,7 +217,7 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_batch(self, prompts, params: Sequence[SamplingParams], vision=None) -> list[GenerationOutput]:
-        from rlhforge.rollout.hf_generate import sample_batch, seed_keys
+        from rlhforge.rollout.hf_generate import batch_sampling, left_padded, sample_batch
 
         n = len(prompts)
         if any(len(p) == 0 for p in prompts):
@@ -233,26 +233,12 @@ class HFEngine:
         if not rows:
             return outputs
         dev = self.device
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            ids[r, width - len(prompts[i]):] = torch.as_tensor(list(prompts[i]), dtype=torch.long)
-            attn[r, width - len(prompts[i]):] = 1
-        ps = [params[i] for i in rows]
-        temperature = torch.tensor([float(sp.temperature) for sp in ps], device=dev)
-        top_p = torch.tensor([float(sp.top_p) for sp in ps], device=dev)
-        top_k = torch.tensor([int(sp.top_k or 0) for sp in ps], device=dev)
-        keys = seed_keys([seeds[i] for i in rows]).to(dev)
-        # decided once per batch (a subset of the rows later still samples/filters correctly either way)
-        all_greedy = all(sp.temperature <= 0 for sp in ps)
-        any_filter = any(sp.top_p < 1.0 or (sp.top_k or 0) > 0 for sp in ps)
-        max_new = torch.tensor([sp.max_new_tokens for sp in ps], device=dev)
-        stop_sets = [sorted(set(sp.stop_token_ids) | set(self.eos_token_ids)) for sp in ps]
-        stops = torch.full((len(rows), max(len(s) for s in stop_sets)), -1, dtype=torch.long)
-        for r, st in enumerate(stop_sets):
-            stops[r, : len(st)] = torch.tensor(st, dtype=torch.long)
-        stops = stops.to(dev)
+        ids, attn = left_padded([prompts[i] for i in rows], self.pad_token_id)
+        width = ids.shape[1]
+        b = batch_sampling([params[i] for i in rows], [seeds[i] for i in rows], self.eos_token_ids, dev)
+        temperature, top_p, top_k, keys, max_new, stops = (b[k] for k in ("temperature", "top_p", "top_k", "keys",
+                                                                           "max_new", "stops"))
+        all_greedy, any_filter = b["all_greedy"], b["any_filter"]
         steps = int(max_new.max())
         out_tokens = torch.zeros((len(rows), steps), dtype=torch.long, device=dev)
         out_logps = torch.zeros((len(rows), steps), dtype=torch.float32, device=dev)

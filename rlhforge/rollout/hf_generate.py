@@ -17,7 +17,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["generate_ids", "counter_uniform", "filter_logits_batch", "sample_batch", "seed_keys", "shared_prompts"]
+__all__ = ["generate_ids", "counter_uniform", "filter_logits_batch", "sample_batch", "seed_keys", "shared_prompts",
+           "left_padded", "batch_sampling"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -126,6 +127,36 @@ def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
     return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
 
 
+def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """Token ids and attention mask [B, W] (host tensors) of ``prompts`` padded on the left to the longest."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        attn[r, width - len(p):] = 1
+    return ids, attn
+
+
+def batch_sampling(params: Sequence, seeds: Sequence[int], eos_token_ids: Sequence[int], device) -> dict:
+    """The per-row sampling tensors of one decoding batch on ``device``: ``temperature``, ``top_p``, ``top_k``,
+    ``keys`` (:func:`seed_keys`), ``max_new`` [B] and ``stops`` [B, S] (each row's stop ids and the eos ids,
+    -1 padded); and ``all_greedy`` / ``any_filter``, decided once per batch (a subset of the rows still
+    samples and filters correctly either way)."""
+    stop_sets = [sorted(set(sp.stop_token_ids) | set(eos_token_ids)) for sp in params]
+    stops = torch.full((len(params), max(len(s) for s in stop_sets)), -1, dtype=torch.long)
+    for r, st in enumerate(stop_sets):
+        stops[r, : len(st)] = torch.tensor(st, dtype=torch.long)
+    return {"temperature": torch.tensor([float(sp.temperature) for sp in params], device=device),
+            "top_p": torch.tensor([float(sp.top_p) for sp in params], device=device),
+            "top_k": torch.tensor([int(sp.top_k or 0) for sp in params], device=device),
+            "keys": seed_keys(seeds).to(device),
+            "max_new": torch.tensor([sp.max_new_tokens for sp in params], device=device),
+            "stops": stops.to(device),
+            "all_greedy": all(sp.temperature <= 0 for sp in params),
+            "any_filter": any(sp.top_p < 1.0 or (sp.top_k or 0) > 0 for sp in params)}
+
+
 def shared_prompts(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(the first row of each distinct prompt, the distinct prompt of every row), or (None, None) if all differ."""
     first: dict[tuple[int, ...], int] = {}
@@ -160,12 +191,8 @@ def generate_ids(
     eos = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, p in enumerate(chunk):
-            ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-            attn[row, width - len(p) :] = 1
+        ids, attn = left_padded(chunk, pad_token_id)
+        width = ids.shape[1]
         sampling = dict(do_sample=temperature > 0)
         if temperature > 0:
             sampling.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
