@@ -241,11 +241,12 @@ class RolloutConfig:
     """Top-k sampling (-1 disables). rlhforge-specific."""
     generate_batch_size: int = 64
     """Sequences per batched ``generate`` call of the HF engine. rlhforge-specific."""
-    hf_decode: Literal["auto", "graphs", "eager"] = "auto"
+    hf_decode: Literal["auto", "graphs", "eager"] = "eager"
     """The HF engine's decode loop: ``graphs`` a static KV cache with bucketed shapes, captured as CUDA graphs
     on a GPU (run eagerly elsewhere; Llama / Qwen2 / Qwen3 / Mistral text models, else an error at start-up);
-    ``eager`` the dynamic loop (finished rows leave the batch); ``auto`` graphs on CUDA where supported, else
-    eager. Same greedy tokens either way (docs/performance.md). rlhforge-specific."""
+    ``eager`` (the default) the dynamic loop (finished rows leave the batch); ``auto`` graphs on CUDA where
+    supported, else eager. Same greedy tokens either way (docs/performance.md). ``graphs`` is opt-in until the
+    GPU check has run it on a GPU (none was lent when it was written). rlhforge-specific."""
     vllm_generate_batch_size: int | None = None
     """Prompts per generation call (any engine; None: the prompts still missing from the step). Above
     ``rollout.batch_size`` it oversamples: accepted groups beyond the step's ``batch_size`` are kept for

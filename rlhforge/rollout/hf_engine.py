@@ -62,7 +62,7 @@ class HFEngine:
                  batch_size: int = 64, record_routing: bool = False, image_token_id: int | None = None,
                  banned_token_ids: Sequence[int] = (), kv_cache: str = "preallocated", native_gqa: bool = True,
                  shared_prefill: bool = True, padding_mask_4d: bool = True, fast_decode: bool = True,
-                 decode_kernel: str = "bmm", hf_decode: str = "auto"):
+                 decode_kernel: str = "bmm", hf_decode: str = "eager"):
         if kv_cache not in ("preallocated", "dynamic"):
             raise ValueError(f"kv_cache must be 'preallocated' or 'dynamic', got {kv_cache!r}")
         self.model = model.eval()
@@ -116,7 +116,7 @@ class HFEngine:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64, record_routing: bool = False,
-                   kv_cache: str = "preallocated", dtype: torch.dtype | None = None, hf_decode: str = "auto"
+                   kv_cache: str = "preallocated", dtype: torch.dtype | None = None, hf_decode: str = "eager"
                    ) -> "HFEngine":
         """An engine with its own copy of ``model`` (the trainer's unwrapped module), in ``dtype`` if given
         (a bf16 run's engine decodes with bf16 weights, as a vLLM engine of that run would)."""
@@ -130,7 +130,7 @@ class HFEngine:
     @classmethod
     def from_pretrained(cls, path: str, tokenizer, device: str | torch.device = "cpu", batch_size: int = 64,
                         dtype: torch.dtype = torch.float32, record_routing: bool = False,
-                        kv_cache: str = "preallocated", hf_decode: str = "auto") -> "HFEngine":
+                        kv_cache: str = "preallocated", hf_decode: str = "eager") -> "HFEngine":
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         vision = _vision_kwargs(tokenizer)
