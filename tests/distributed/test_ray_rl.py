@@ -1,5 +1,7 @@
 """RL with the actor (and critic) as 2 data-parallel Ray workers under DeepSpeed ZeRO-2/3 (and FSDP2)
-on a 2-CPU Ray cluster matches the single-process trainer on the same seed."""
+on a 2-CPU Ray cluster matches the single-process trainer on the same seed. The ZeRO-3 PPO case batches by
+token budget on the Ray side (every forward a collective: the ranks must agree on their pass counts) against
+fixed micro-batches in the single process, and resumes from step 1."""
 
 import shutil
 
@@ -33,6 +35,9 @@ def test_ray_data_parallel_matches_single_process(ray_cluster, tiny_model_dir, t
     single = _run(tiny_model_dir, tmp_path / "single", reward, estimator, stage, "--train.workers", "local", *sleep)
     ray_args = ["--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2", "--train.colocate_all", *sleep,
                 "--ckpt.save_steps", "1"]
+    if (estimator, stage) == ("gae", "3"):  # token-budget dynamic batching on the Ray side only
+        ray_args += ["--ds.packing_samples", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "40",
+                     "--rollout.max_tokens_per_gpu", "48"]
     dp = _run(tiny_model_dir, tmp_path / "ray", reward, estimator, stage, *ray_args)
     # same rollouts: identical rewards at every step (generation saw the same weights)
     assert per_step(dp, "rollout/reward_mean") == per_step(single, "rollout/reward_mean")
@@ -55,6 +60,10 @@ def test_ray_data_parallel_matches_single_process(ray_cluster, tiny_model_dir, t
     assert "perf/peak_memory_gb" in metrics(dp)[-1]
     if (estimator, stage) != ("gae", "3"):
         return
+    # 2 samples per rank and optimizer step, each over half the 40-token budget: one pass each (the single
+    # process: 4 samples per optimizer step in fixed pairs)
+    assert per_step(dp, "actor/micro_batches") == per_step(dp, "critic/micro_batches") == {1: 2.0, 2: 2.0}
+    assert per_step(single, "actor/micro_batches") == {1: 2.0, 2: 2.0}
     # resume: every rank reloads its ZeRO-3 shard (actor and critic) from step 1 and step 2 is the same again
     resumed = tmp_path / "resumed"
     shutil.copytree(dp, resumed)
