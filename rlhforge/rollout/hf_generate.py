@@ -56,11 +56,46 @@ def _vocab_hash(vocab: int, device: torch.device) -> Tensor:
     return _VOCAB_HASH[key]
 
 
+def _as_int32(x: Tensor) -> Tensor:
+    """int64 tensor of 32-bit values -> int32 with the same 32 bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+_VOCAB_HASH32: dict[tuple[int, str], Tensor] = {}
+
+
+def _mix32_inplace(x: Tensor) -> Tensor:
+    """:func:`_mix32` on an int32 tensor holding the 32 bits (overwritten): the same bits in half the memory
+    traffic. int32 products wrap modulo 2**32 (the low 32 bits of the int64 product); int32's right shift is
+    arithmetic, so its sign-extended bits are masked off (the logical shift of the unsigned value)."""
+    y = torch.empty_like(x)
+    for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
+        torch.bitwise_right_shift(x, shift, out=y).bitwise_and_((1 << (32 - shift)) - 1)
+        x.bitwise_xor_(y)
+        if mult is not None:
+            x.mul_(mult - 2**32 if mult >= 2**31 else mult)
+    return x
+
+
 def counter_uniform(keys: Tensor, step: int, vocab: int) -> Tensor:
-    """[B, V] float32 uniform noise in (0, 1), a pure function of ``(keys[b], step, v)``."""
+    """[B, V] float32 uniform noise in (0, 1), a pure function of ``(keys[b], step, v)``.
+
+    The ``[B, V]`` grid is hashed in int32 with the bits of the int64 form (:func:`_counter_uniform_int64`,
+    which a test holds it to, bit for bit): at a 151,936-token vocabulary and 16 rows the int64 form was
+    most of a sampling step (36 ms, against 53 ms for the lm_head's matmul)."""
+    k = _mix32(keys ^ _mul32(torch.full_like(keys, int(step) & _MASK32), 0x9E3779B9))  # [B]: (seed, step)
+    key = (vocab, str(keys.device))
+    if key not in _VOCAB_HASH32:
+        _VOCAB_HASH32[key] = _as_int32(_vocab_hash(vocab, keys.device))
+    h = _mix32_inplace(torch.bitwise_xor(_as_int32(k)[:, None], _VOCAB_HASH32[key][None, :]))  # bijective in v
+    # 23 bits: (m + 0.5) / 2**23 is exact in float32, so the noise never reaches 0 or 1
+    return (h.bitwise_right_shift_(9).bitwise_and_(0x7FFFFF).float() + 0.5) * (1.0 / 2**23)
+
+
+def _counter_uniform_int64(keys: Tensor, step: int, vocab: int) -> Tensor:
+    """:func:`counter_uniform` in int64 arithmetic (its former form, the reference it equals bit for bit)."""
     k = _mix32(keys ^ _mul32(torch.full_like(keys, int(step) & _MASK32), 0x9E3779B9))  # [B]: (seed, step)
     h = _mix32(k[:, None] ^ _vocab_hash(vocab, keys.device)[None, :])  # a bijection of v for each (seed, step)
-    # 23 bits: (m + 0.5) / 2**23 is exact in float32, so the noise never reaches 0 or 1
     return ((h >> 9).float() + 0.5) * (1.0 / 2**23)
 
 
@@ -121,8 +156,9 @@ def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
         all_greedy = bool(greedy.all())
     if not all_greedy:
         filtered = filter_logits_batch(scaled, top_p, top_k, any_filter=any_filter)
-        gumbel = -torch.log(-torch.log(counter_uniform(keys.to(logits.device), step, logits.shape[-1])))
-        sampled = torch.argmax(filtered + gumbel, dim=-1)
+        # -log(-log(u)) and the sum, in place on the fresh noise (the same operations, no [B, V] copies)
+        gumbel = counter_uniform(keys.to(logits.device), step, logits.shape[-1]).log_().neg_().log_().neg_()
+        sampled = torch.argmax(gumbel.add_(filtered), dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
     return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
 

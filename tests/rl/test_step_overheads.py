@@ -157,3 +157,19 @@ def test_sft_nll_on_the_trained_tokens_only_equals_the_full_head(tiny_model_dir,
     (got,) = torch.autograd.grad((nll * mask).sum(), [weight])
     (want,) = torch.autograd.grad((full * mask).sum(), [weight])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_int32_sampling_noise_has_the_bits_of_the_int64_form():
+    """The HF engine's counter-based noise, hashed in int32, equals its former int64 arithmetic bit for bit
+    (keys with the high bit set, steps past 2**31, vocabularies from 1 to a real one's size)."""
+    from rlhforge.rollout.hf_generate import _counter_uniform_int64, counter_uniform, seed_keys
+
+    g = torch.Generator().manual_seed(0)
+    seeds = [int(x) for x in torch.randint(0, 2**62, (5,), generator=g)] + [0, 2**64 - 1, 2**63, 2**31]
+    keys = seed_keys(seeds)
+    assert bool((keys >= 2**31).any()) and bool((keys < 2**31).any())
+    for vocab in (1, 7, 1000, 151936):
+        for step in (0, 1, 63, 2**31 + 5, 2**32 - 1):
+            got = counter_uniform(keys, step, vocab)
+            assert torch.equal(got, _counter_uniform_int64(keys, step, vocab)), (vocab, step)
+            assert 0 < float(got.min()) and float(got.max()) < 1
