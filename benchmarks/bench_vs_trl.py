@@ -478,6 +478,7 @@ def merge_main(paths: list[str], out: Path) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
+    print_phases(results)
     png = plot_path(out)
     if plot(results, png):
         print(f"wrote {png}")
