@@ -18,19 +18,19 @@ import torch
 from rlhforge.algorithms import compute_advantages, compute_kl, is_correction, overlong_penalty, stop_properly_penalty
 from rlhforge.workers.experience import ExperienceSample, pad_rows, samples_from_trajectories, unpad_rows
 from rlhforge.trainers.rl.metrics import check_tokens
+from rlhforge.trainers.rl.distill import needs_student_logprobs, teacher_experience
 
 __all__ = ["RLExperience"]
-from rlhforge.trainers.rl.distill import needs_student_logprobs, teacher_experience
 
 
 class RLExperience:
     """Rollouts -> :class:`ExperienceSample` rows with old/ref log-probs, values, advantages, returns
     and IS weights (module docstring)."""
 
-    def shaped_rewards(self, trajs) -> torch.Tensor:
-        cfg = self.cfg.reward
     teacher = None  # on-policy distillation's teacher group (trainers/rl/distill.py), set by the CLI
 
+    def shaped_rewards(self, trajs) -> torch.Tensor:
+        cfg = self.cfg.reward
         r = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         if cfg.overlong_buffer_len is not None:
             lengths = torch.tensor([t.response_length for t in trajs])
@@ -81,6 +81,10 @@ class RLExperience:
             kl = compute_kl(old_lp, ref_lp, mask, cfg.algo.kl.estimator)
             per_seq_kl = (kl * mask).sum(1) / mask.sum(1).clamp_min(1)
             metrics["actor/kl_ref"] = float(per_seq_kl.mean())  # the KL controller's input (step())
+        distill_kwargs = {}  # on-policy distillation: the teacher's scores (trainers/rl/distill.py)
+        if self.teacher is not None:
+            distill_kwargs, distill_metrics = teacher_experience(cfg, self.teacher, samples, old_lp, mask)
+            metrics.update(distill_metrics)
         adv_cfg = cfg.algo.advantage
         est = adv_cfg.estimator  # no_std_norm only changes the global whitening (group_norm keeps its std)
         values = pad_rows([s.tensors["values"] for s in samples]) if self.critic is not None else None
@@ -88,10 +92,6 @@ class RLExperience:
         adv, ret = compute_advantages(
             est, rewards, mask, values=values, kl=kl if use_penalty else None,
             kl_coef=self.kl_ctl.value if use_penalty else 0.0,
-        distill_kwargs = {}  # on-policy distillation: the teacher's scores (trainers/rl/distill.py)
-        if self.teacher is not None:
-            distill_kwargs, distill_metrics = teacher_experience(cfg, self.teacher, samples, old_lp, mask)
-            metrics.update(distill_metrics)
             reward_clip=tuple(cfg.reward.clip_range) if cfg.reward.clip_range is not None else None,
             n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, gamma=self.gamma, lam=adv_cfg.lambd,
             whiten_std=not adv_cfg.no_std_norm, **distill_kwargs,
