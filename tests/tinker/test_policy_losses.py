@@ -116,8 +116,9 @@ def test_gradient_matches_tinker_formula(tinker, server, service_client, tiny_mo
     assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5, abs=1e-5)
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
     assert set(ref_grads) == set(grads)
-    for n in grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+    for n in grads:  # float32 sums over the batch: the absolute tolerance scales with the tensor's magnitude
+        scale = float(ref_grads[n].abs().max().clamp_min(1.0))
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6 * scale, msg=n)
 
 
 # -- refusals -------------------------------------------------------------------------------------------------
