@@ -80,8 +80,11 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def per_sample(x: torch.Tensor, batch: dict, samples: Sequence[ExperienceSample]) -> list[torch.Tensor]:
-    x = x.detach().float().cpu()
+def per_sample(x: torch.Tensor, batch: dict, samples: Sequence[ExperienceSample],
+               dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """A micro-batch's per-token values (``[B, T, ...]`` padded, ``[1, N, ...]`` packed) -> one ``[len, ...]``
+    tensor per sample, as ``dtype`` on the CPU."""
+    x = x.detach().to(dtype).cpu()
     if is_packed(batch):
         return [t.clone() for t in split_packed(x, batch["seq_lens"])]
     return unpad_rows(x, [len(s) for s in samples])

@@ -15,17 +15,10 @@ from rlhforge.algorithms.distillation import forward_kl_topk, shifted_gather_log
 from rlhforge.models.forward import is_packed
 from rlhforge.workers.experience import ExperienceSample
 
-__all__ = ["TOPK_IDS", "TOPK_LOGPROBS", "distill_topk_term", "topk_batch", "sample_rows"]
+__all__ = ["TOPK_IDS", "TOPK_LOGPROBS", "distill_topk_term", "topk_batch"]
 
 #: the sample tensors (``ExperienceSample.tensors``) of the forward_kl_topk mode, ``[len, k]`` each
 TOPK_IDS, TOPK_LOGPROBS = "teacher_topk_ids", "teacher_topk_logprobs"
-
-
-def sample_rows(x: torch.Tensor, batch: dict, chunk: Sequence[ExperienceSample]) -> list[torch.Tensor]:
-    """``[B, T, k]`` (padded) or ``[1, N, k]`` (packed) -> one ``[len, k]`` tensor per sample."""
-    if is_packed(batch):
-        return [t.clone() for t in torch.split(x[0], list(batch["seq_lens"]))]
-    return [x[i, : len(s)].clone() for i, s in enumerate(chunk)]
 
 
 def topk_batch(chunk: Sequence[ExperienceSample], batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:

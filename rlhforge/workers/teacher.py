@@ -14,7 +14,7 @@ import torch
 from rlhforge.algorithms.distillation import shifted_topk_logprobs
 from rlhforge.models.forward import token_logprobs
 from rlhforge.workers.actor import RefWorker
-from rlhforge.workers.distill import sample_rows
+from rlhforge.workers.base import per_sample
 from rlhforge.workers.experience import ExperienceSample
 
 __all__ = ["TeacherWorker"]
@@ -37,7 +37,6 @@ class TeacherWorker(RefWorker):
             _, logits = token_logprobs(model, batch, temperature, return_logits=True)
             ids, lps = shifted_topk_logprobs(logits, k, temperature)
             keep = batch["loss_mask"].bool()[..., None]
-            ids, lps = (ids * keep).to(torch.int32).cpu(), (lps * keep).float().cpu()
-            return list(zip(sample_rows(ids, batch, chunk), sample_rows(lps, batch, chunk)))
+            return list(zip(per_sample(ids * keep, batch, chunk, torch.int32), per_sample(lps * keep, batch, chunk)))
 
         return self.score_samples(samples, micro_batch_size, score)
