@@ -24,6 +24,7 @@ Exit status: 0 every stage passed (``n/a`` ones included: stages a CPU smoke can
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -39,22 +40,34 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from gpu_metrics import (generation_line, now, parse_pytest, read_json, safetensors_params,  # noqa: E402
-                         wheel_fits, write_json)
+from gpu_metrics import (generation_line, headline, now, parse_pytest, read_json, safetensors_params,  # noqa: E402
+                         vllm_line, wheel_fits, write_json)
 
 SCHEMA = "rlhforge.gpu_check/2"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_check.json"
-ORDER = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "hf_decode", "grpo_torch", "grpo_fsdp2",
-         "grpo_deepspeed", "trl")
+# the vLLM stages (issue 44) come first after the model: a check cut short by the budget keeps them
+ORDER = ("env", "bug1", "nccl_group", "ipc_sync", "model", "vllm_engine", "grpo_vllm", "trl_vllm", "hf_decode",
+         "grpo_torch", "grpo_deepspeed", "trl", "grpo_fsdp2", "gpu_tests")
+VLLM_STAGES = ("vllm_engine", "grpo_vllm", "trl_vllm")
 STRATEGIES = ("torch", "fsdp2", "deepspeed")
 # per-stage timeouts (s); the whole check also stops at --budget-s. The model build runs beside bug1..gpu_tests.
 CAPS = {"gpu": {"env": 40, "bug1": 30, "nccl_group": 30, "ipc_sync": 50, "gpu_tests": 70, "model": 150,
+                "vllm_engine": 150, "grpo_vllm": 240, "trl_vllm": 150,
                 "hf_decode": 60, "grpo_torch": 80, "grpo_fsdp2": 80, "grpo_deepspeed": 150, "trl": 60},
         "cpu-smoke": {"env": 40, "bug1": 40, "nccl_group": 40, "ipc_sync": 60, "gpu_tests": 90, "model": 120,
+                      "vllm_engine": 120, "grpo_vllm": 240, "trl_vllm": 60,
                       "hf_decode": 90, "grpo_torch": 100, "grpo_fsdp2": 100, "grpo_deepspeed": 200, "trl": 100}}
 # issue 39, point 4: the DeepSpeed stage is ZeRO-3 with the hybrid engine's sleep and the optimizer on the host
 # (DeepSpeed from the carried wheel, built here with DS_BUILD_OPS=0: its cpu_adam op is JIT-built on first use)
 DEEPSPEED_FLAGS = ["--ds.zero_stage", "3", "--ds.enable_sleep", "--ds.adam_offload"]
+# issue 44: the seed's hybrid engine on one GPU: actor, reference and one vLLM engine in one Ray placement group,
+# both sides asleep while the other works, DeepSpeed ZeRO-3, weights into the engine by CUDA IPC, then the post-sync
+# effect check (engine log-probs against the trainer's). vLLM's CPU build has no sleep mode: the smoke leaves it out.
+HYBRID_FLAGS = ["--train.workers", "ray", "--train.colocate_all", "--vllm.num_engines", "1", "--ds.zero_stage", "3",
+                "--ds.enable_sleep"]
+HYBRID_GPU_FLAGS = ["--vllm.enable_sleep"]
+HYBRID_KL = "0.001"  # > 0: the run builds the reference model, colocated with the actor and the engine
+TRL_VLLM_UTIL = 0.3  # TRL's own default vllm_gpu_memory_utilization in colocate mode
 # ~0.38B parameters: 24 x (attention 3.1M + MLP 12.6M) + 1k x 1024 tied embeddings; head_dim 64; Qwen3 family
 MODEL = {"gpu": {"arch": "qwen3", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                  "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 1024},
@@ -333,18 +346,45 @@ class Check:
         rec["shape"] = SHAPE[self.mode]
         self.child(name, "grpo", {**self.base_spec(), "flags": flags, "run_dir": str(run), "steps": self.a.steps})
 
-    def trl(self, model: Path | None) -> None:
-        rec = self.stage("trl")
+    def grpo_vllm(self, model: Path | None) -> None:  # issue 44: the seed's hybrid engine, through Ray
+        rec = self.stage("grpo_vllm")
         if model is None:
             rec.update(status="skipped", why="the model was not built (see stage model)")
             return
-        run = self.work / "runs" / "trl"
+        run = self.work / "runs" / "grpo_vllm"
+        if run.exists() and not self.dry:
+            shutil.rmtree(run)
+        flags = self.rl_flags(model, run, "deepspeed")
+        flags[flags.index("--algo.kl.init_coef") + 1] = HYBRID_KL
+        flags += HYBRID_FLAGS + (HYBRID_GPU_FLAGS if self.cuda else [])
+        rec.update(equivalent_cli=shlex.join(["python", "-m", "rlhforge.cli.train_ppo_ray", *flags]),
+                   shape=SHAPE[self.mode])
+        # the models and the engine live in Ray workers: the driver keeps off the GPU (no CUDA peaks per phase)
+        self.child("grpo_vllm", "grpo", {**self.base_spec(), "flags": flags, "run_dir": str(run), "steps": self.a.steps,
+                                         "needs_vllm": True, "driver_cuda": False})
+
+    def vllm_engine(self, model: Path | None) -> None:  # issue 44: generate, sleep, wake, the same tokens
+        if model is None:
+            return self.stage("vllm_engine").update(status="skipped", why="the model was not built (see stage model)")
+        sh = SHAPE[self.mode]
+        self.child("vllm_engine", "vllm_engine", {
+            **self.base_spec(), "model": str(model), "prompts": sh["prompts"], "samples": sh["samples"],
+            "new_tokens": sh["new_tokens"], "max_len": sh["max_len"], "rounds": 3 if self.cuda else 1,
+            "gpu_memory_utilization": 0.5})
+
+    def trl(self, model: Path | None, name: str = "trl") -> None:
+        rec = self.stage(name)
+        if model is None:
+            rec.update(status="skipped", why="the model was not built (see stage model)")
+            return
+        run = self.work / "runs" / name
         if run.exists() and not self.dry:
             shutil.rmtree(run)
         rec["shape"] = SHAPE[self.mode]
-        self.child("trl", "trl", {**self.base_spec(), "model": str(model), "run_dir": str(run), "steps": self.a.steps,
-                                  "shape": SHAPE[self.mode], "dtype": "bf16" if self.cuda else "fp32",
-                                  "trl_optional": not self.cuda})
+        vllm = {"use_vllm": True, "vllm_gpu_memory_utilization": TRL_VLLM_UTIL} if name == "trl_vllm" else {}
+        self.child(name, "trl", {**self.base_spec(), "model": str(model), "run_dir": str(run), "steps": self.a.steps,
+                                 "shape": SHAPE[self.mode], "dtype": "bf16" if self.cuda else "fp32",
+                                 "trl_optional": not self.cuda, **vllm})
 
     def hf_decode(self, model: Path | None) -> None:  # issue 42 item 2: eager vs graphs decode, the GRPO shape
         sh = SHAPE[self.mode]
@@ -369,29 +409,25 @@ class Check:
             if "env" in only:
                 self.env_stage()
                 self.save()
-            needs_model = {"model", "hf_decode", "trl"} | {f"grpo_{s}" for s in STRATEGIES}
+            needs_model = {"model", "hf_decode", "trl", *VLLM_STAGES} | {f"grpo_{s}" for s in STRATEGIES}
             handle = self.start_model() if only & needs_model else None
             self.save()
             for name in ("bug1", "nccl_group", "ipc_sync"):
                 if name in only:
                     self.child(name, name, self.ipc_spec() if name == "ipc_sync" else self.base_spec())
                     self.save()
+            model = self.wait_model(handle) if handle is not None or (self.dry and only & needs_model) else None
+            self.save()
+            runs = {"vllm_engine": self.vllm_engine, "grpo_vllm": self.grpo_vllm,
+                    "trl_vllm": lambda m: self.trl(m, "trl_vllm"), "hf_decode": self.hf_decode, "trl": self.trl,
+                    **{f"grpo_{s}": functools.partial(self.grpo, s) for s in STRATEGIES}}
+            for name in ORDER:
+                if name in only and name in runs:
+                    runs[name](model)
+                    self.save()
             if "gpu_tests" in only:
                 self.gpu_tests()
                 self.save()
-            if handle is not None or (self.dry and only & needs_model):
-                model = self.wait_model(handle)
-                self.save()
-                if "hf_decode" in only:
-                    self.hf_decode(model)
-                    self.save()
-                for strategy in STRATEGIES:
-                    if f"grpo_{strategy}" in only:
-                        self.grpo(strategy, model)
-                        self.save()
-                if "trl" in only:
-                    self.trl(model)
-                    self.save()
         except Exception:  # noqa: BLE001 - the JSON must still be written
             self.res["crash"] = traceback.format_exc()[-2000:]
             print(self.res["crash"], file=sys.stderr)
@@ -402,7 +438,8 @@ class Check:
         bad = [k for k, v in stages.items() if v.get("status") not in ("ok", "n/a", "dry-run")]
         code = 1 if bad or self.res.get("crash") else 0
         self.res.update(finished_at=now(), ok=code == 0, exit_code=code, failed_stages=bad)
-        self.res["summary"] = [headline(k, stages[k]) for k in ORDER if k in stages] + generation_line(stages)
+        self.res["summary"] = ([headline(k, stages[k]) for k in ORDER if k in stages] + generation_line(stages)
+                               + vllm_line(stages, self.cuda))
         self.save()
         if self.dry:
             print("DRY-RUN: nothing was run; the results would go to", self.out)
@@ -418,46 +455,6 @@ class Check:
         verdict = "OK" if code == 0 else f"FAILED ({', '.join(bad) or 'crash'})"
         print(f"[check_rl] {verdict} in {time.time() - self.t0:.0f} s; results: {self.out}", flush=True)
         return code
-
-
-def headline(name: str, rec: dict) -> str:
-    """One line per stage for the log and the JSON's ``summary``."""
-    r = rec.get("result") or {}
-    s = f"{name:<11} {rec.get('status', '?'):<9} {rec.get('wall_s', '-')!s:>6} s"
-    try:
-        if name == "env" and r:
-            g = r.get("gpu", {})
-            s += f"  torch {r['modules']['torch'].get('version')} cuda {g.get('torch_cuda')} {g.get('name', 'no GPU')}"
-        elif name == "bug1" and r:
-            s += f"  bug reproduced: {r.get('bug_reproduced')} ({(r.get('bug') or {}).get('error', 'no error')[:90]})"
-            s += f"; strategies: {', '.join(k for k, v in (r.get('strategies') or {}).items() if v.get('ok'))}"
-        elif name == "nccl_group" and r:
-            s += f"  open {r.get('open_s')} s, send {r.get('send_s')} s"
-        elif name == "ipc_sync" and r:
-            g = r.get("greedy") or {}
-            s += (f"  fingerprints equal: {r.get('fingerprints_equal')}, greedy {g.get('equal_prompts')}/"
-                  f"{g.get('prompts')}, {r.get('s_per_gb')} s/GB ({(r.get('model') or {}).get('bytes', 0) / 1e9:.3f} GB)")
-        elif name == "gpu_tests" and rec.get("counts"):
-            c = rec["counts"]
-            s += f"  {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, {c['errors']} errors"
-        elif name == "hf_decode" and r.get("headline"):
-            s += f"  {r['headline']}"
-        elif name == "model" and rec.get("num_params"):
-            s += f"  {rec['num_params'] / 1e6:.1f}M parameters"
-        elif name in ("trl", *(f"grpo_{s}" for s in STRATEGIES)) and r.get("summary"):
-            m = r["summary"]
-            tps = m.get("generation_tokens_per_s_steady")
-            s += (f"  {m.get('steps')} steps, gen {tps:.0f} tok/s" if tps else f"  {m.get('steps')} steps") + \
-                 f", step {m.get('step_s_steady') or 0:.2f} s, peak GB {m.get('peak_memory_gb_by_phase')}"
-    except Exception as err:  # noqa: BLE001 - a summary line must never break the check
-        s += f"  (summary failed: {err})"
-    if rec.get("why"):
-        s += f"  ({rec['why'][:150]})"
-    if rec.get("status") not in ("ok", "n/a", "dry-run"):
-        errors = r.get("errors") or [ln for ln in (rec.get("output_tail") or "").splitlines() if ln.strip()][-1:]
-        if errors:
-            s += f"  error: {errors[0][:200]}"
-    return s
 
 
 def parse(argv: list[str]):

@@ -10,9 +10,11 @@ so a stage killed at its timeout still leaves what it measured. Stages here:
 - ``nccl_group``  rlhforge's weight-sync channel (``SyncGroup``) as an NCCL group of one: open + send
 - ``ipc_sync``    CUDA-IPC weight sync into a plain-torch receiver process on the same GPU: fingerprints
                   and greedy tokens compared, seconds per GB
-- ``grpo``        GRPO steps through ``rlhforge.cli.train_ppo_ray.main`` (gpu_rl.py)
-- ``trl``         TRL's GRPOTrainer on the same model, prompts and reward (gpu_rl.py)
+- ``grpo``        GRPO steps through ``rlhforge.cli.train_ppo_ray.main`` (gpu_rl.py): the HF engine in the
+                  driver, or (stage grpo_vllm) the hybrid engine: Ray, vLLM, ZeRO-3, sleep, CUDA-IPC sync
+- ``trl``         TRL's GRPOTrainer on the same model, prompts and reward (gpu_rl.py), HF or vLLM generation
 - ``hf_decode``   the HF engine's eager and graphs decode loops on the same model (gpu_decode.py)
+- ``vllm_engine`` rlhforge's vLLM engine: tokens/s, sleep, wake, the same tokens again (gpu_vllm.py)
 
 On CPU (``--cpu-smoke``) the same code runs with gloo and CPU shared memory instead of NCCL and CUDA IPC.
 """
@@ -320,7 +322,7 @@ def run_ipc_sync(spec: dict, res: Result) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="check_rl_child.py")
-    p.add_argument("stage", choices=("env", "bug1", "nccl_group", "ipc_sync", "grpo", "trl", "hf_decode"))
+    p.add_argument("stage", choices=("env", "bug1", "nccl_group", "ipc_sync", "grpo", "trl", "hf_decode", "vllm_engine"))
     p.add_argument("--spec", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -332,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         from gpu_env import run_env as fn
     elif a.stage == "hf_decode":
         from gpu_decode import run_hf_decode as fn
+    elif a.stage == "vllm_engine":
+        from gpu_vllm import run_vllm_engine as fn
     elif a.stage in ("grpo", "trl"):
         import gpu_rl
 

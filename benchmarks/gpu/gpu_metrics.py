@@ -70,6 +70,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
+PROBE_KEYS = ("sync/probe_logprob_diff", "sync/probe_logprob_diff_max", "sync/probe_policy_change")
+
+
 def summarize_rl(rows: list[dict], phases: list[dict]) -> dict:
     """Per-step numbers of an RL run from its metrics.jsonl rows, with the per-phase CUDA peaks and times
     that the child measured around the trainer's methods (``phases``: one dict per call, in order).
@@ -80,6 +83,7 @@ def summarize_rl(rows: list[dict], phases: list[dict]) -> dict:
         d = {k: r.get(k) for k in ("step", "timing/generation", "timing/make_experience", "timing/ppo_train",
                                    "timing/broadcast", "timing/step_total", "perf/peak_memory_gb",
                                    "rollout/response_length", "rollout/reward_mean")}
+        d.update({k: r[k] for k in PROBE_KEYS if k in r})  # the post-sync effect check (issue 39)
         samples = r.get("rollout/samples") or r.get("rollout/num_samples")
         gen = r.get("timing/generation")
         if isinstance(r.get("rollout/response_length"), (int, float)) and isinstance(samples, (int, float)):
@@ -103,6 +107,9 @@ def summarize_rl(rows: list[dict], phases: list[dict]) -> dict:
         "step_s_first": per[0].get("timing/step_total") if per else None,
         "train_s_steady": mean([r.get("timing/ppo_train") for r in steady]),
         "weight_sync_s_steady": mean([r.get("timing/broadcast") for r in steady]),
+        "sync_probe_logprob_diff_max": max((r["sync/probe_logprob_diff_max"] for r in per
+                                            if isinstance(r.get("sync/probe_logprob_diff_max"), (int, float))),
+                                           default=None),
         "peak_memory_gb_by_phase": {k: round(v, 3) for k, v in peaks.items()},
         "phase_s_mean": {k: round(mean(v) or 0.0, 3) for k, v in times.items()},
         "notes": ("tokens/s = rollout/response_length x samples / timing/generation; peak_memory_gb_by_phase = "
@@ -154,3 +161,62 @@ def generation_line(stages: dict) -> list[str]:
     ours = (g.get("summary") or {}).get("generation_tokens_per_s_steady")
     return [f"generation: HF engine graphs {graphs:.0f} tok/s{vs}; eager {d['eager']['tokens_per_s_median']:.0f} tok/s"
             + (f"; grpo_torch's rollouts (hf_decode auto) {ours:.0f} tok/s" if ours else "")]
+
+
+def vllm_line(stages: dict, gpu: bool) -> list[str]:
+    """rlhforge's vLLM engine (stage vllm_engine) and its hybrid-engine GRPO step against TRL's with vLLM."""
+    e, g, t = ((stages.get(k) or {}).get("result") or {} for k in ("vllm_engine", "grpo_vllm", "trl_vllm"))
+    ours, trl = ((x.get("summary") or {}).get("step_s_steady") for x in (g, t))
+    out = []
+    if e.get("tokens_per_s_median") and gpu:  # (the 2810 was measured on a GPU: no CPU comparison)
+        out.append(f"generation: rlhforge's vLLM engine {e['tokens_per_s_median']:.0f} tok/s at {e.get('rows')} rows x "
+                   f"{e.get('new_tokens')} tokens ({e['tokens_per_s_median'] / 2810:.2f}x the HF engine's 2810 tok/s "
+                   "of the 2026-12-04 check)")
+    if ours and trl:
+        out.append(f"step: rlhforge + vLLM (hybrid engine, Ray, ZeRO-3) {ours:.2f} s, TRL + vLLM (colocate) {trl:.2f} s: "
+                   f"{trl / ours:.2f}x")
+    return out
+
+
+def headline(name: str, rec: dict) -> str:
+    """One line per stage for the log and the JSON's ``summary``."""
+    r = rec.get("result") or {}
+    s = f"{name:<11} {rec.get('status', '?'):<9} {rec.get('wall_s', '-')!s:>6} s"
+    try:
+        if name == "env" and r:
+            g = r.get("gpu", {})
+            s += f"  torch {r['modules']['torch'].get('version')} cuda {g.get('torch_cuda')} {g.get('name', 'no GPU')}"
+        elif name == "bug1" and r:
+            s += f"  bug reproduced: {r.get('bug_reproduced')} ({(r.get('bug') or {}).get('error', 'no error')[:90]})"
+            s += f"; strategies: {', '.join(k for k, v in (r.get('strategies') or {}).items() if v.get('ok'))}"
+        elif name == "nccl_group" and r:
+            s += f"  open {r.get('open_s')} s, send {r.get('send_s')} s"
+        elif name == "ipc_sync" and r:
+            g = r.get("greedy") or {}
+            s += (f"  fingerprints equal: {r.get('fingerprints_equal')}, greedy {g.get('equal_prompts')}/"
+                  f"{g.get('prompts')}, {r.get('s_per_gb')} s/GB ({(r.get('model') or {}).get('bytes', 0) / 1e9:.3f} GB)")
+        elif name == "gpu_tests" and rec.get("counts"):
+            c = rec["counts"]
+            s += f"  {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, {c['errors']} errors"
+        elif name in ("hf_decode", "vllm_engine") and r.get("headline"):
+            s += f"  {r['headline']}"
+        elif name == "model" and rec.get("num_params"):
+            s += f"  {rec['num_params'] / 1e6:.1f}M parameters"
+        elif (name.startswith("grpo_") or name.startswith("trl")) and r.get("summary"):
+            m = r["summary"]
+            tps = m.get("generation_tokens_per_s_steady")
+            s += (f"  {m.get('steps')} steps, gen {tps:.0f} tok/s" if tps else f"  {m.get('steps')} steps") + \
+                 f", step {m.get('step_s_steady') or 0:.2f} s, peak GB {m.get('peak_memory_gb_by_phase')}"
+            if r.get("weight_sync"):
+                s += f", weights by {r['weight_sync']}"
+            if m.get("sync_probe_logprob_diff_max") is not None:
+                s += f", post-sync probe |engine - trainer| <= {m['sync_probe_logprob_diff_max']:.2g}"
+    except Exception as err:  # noqa: BLE001 - a summary line must never break the check
+        s += f"  (summary failed: {err})"
+    if rec.get("why"):
+        s += f"  ({rec['why'][:150]})"
+    if rec.get("status") not in ("ok", "n/a", "dry-run"):
+        errors = r.get("errors") or [ln for ln in (rec.get("output_tail") or "").splitlines() if ln.strip()][-1:]
+        if errors:
+            s += f"  error: {errors[0][:200]}"
+    return s

@@ -7,7 +7,11 @@ group of one). Only addition: ``RLTrainer``'s phase methods are wrapped to time 
 
 ``trl``: TRL's ``GRPOTrainer`` (HF generation, ``use_vllm=False``) on the same model folder, the same
 built-in arithmetic prompts, the same reward and the same rollout shape, with benchmarks/bench_vs_trl.py's
-settings (beta 0, one iteration, no gradient checkpointing), timed and measured alike.
+settings (beta 0, one iteration, no gradient checkpointing), timed and measured alike. Stage ``trl_vllm``
+(issue 44): the same with ``use_vllm=True, vllm_mode="colocate"`` (TRL's vLLM in the trainer's process, its
+default ``vllm_gpu_memory_utilization`` 0.3, no sleep); its "generation" phase (``GRPOTrainer._generate``)
+includes TRL's weight push into vLLM. Stage ``grpo_vllm`` runs ``grpo`` with the hybrid-engine flags (Ray
+workers: the driver's CUDA peaks are not the models', so only times are recorded per phase).
 """
 
 from __future__ import annotations
@@ -77,11 +81,28 @@ def run_grpo(spec: dict, res) -> None:
     from rlhforge.trainers.rl import RLTrainer
 
     cuda = spec["device"] == "cuda"
-    meter = PhaseMeter(res, cuda)
+    if spec.get("needs_vllm") and (why := _no_vllm()):
+        if not cuda:
+            res["not_applicable"] = why
+            return
+        raise RuntimeError(why + ": carry it with benchmarks/gpu/carry_kit.py (benchmarks/gpu/README.md)")
+    driver_cuda = cuda and spec.get("driver_cuda", True)  # False: the models live in Ray workers
+    meter = PhaseMeter(res, driver_cuda)
     res["phases"] = meter.rows
     for method, phase in (("rollout", "generation"), ("make_experience", "experience"), ("train", "training"),
                           ("sync_weights", "sync")):
         meter.wrap(RLTrainer, method, phase)
+    if spec.get("needs_vllm"):  # which channel carried the weights into the engines (CUDA IPC when colocated)
+        from rlhforge.distributed.engine_actors import EngineActors
+
+        sync_from = EngineActors.sync_from
+
+        def recorded(group, actor):
+            res["weight_sync"] = ("cuda_ipc" if group.ipc else "ray_object_store" if group.sync_with_ray
+                                  else f"collective ({group.backend})")
+            return sync_from(group, actor)
+
+        EngineActors.sync_from = recorded
     run_dir = Path(spec["run_dir"])
     res["run_dir"] = str(run_dir)
     flags = spec["flags"]
@@ -98,7 +119,7 @@ def run_grpo(spec: dict, res) -> None:
     res["rc"], res["run_s"] = rc, round(time.time() - t, 2)
     res["startup_s"] = meter.rows[0]["at_s"] if meter.rows else None
     res["summary"] = summarize_rl(read_metrics(run_dir), meter.rows)
-    if cuda:
+    if driver_cuda:
         res["peak_memory_gb_whole_run"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     else:
         res["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
@@ -106,10 +127,27 @@ def run_grpo(spec: dict, res) -> None:
     res["ok"] = rc == 0 and steps == spec["steps"]
     if rc == 0 and steps != spec["steps"]:
         res.fail(f"metrics.jsonl has {steps} step rows, expected {spec['steps']}")
+    elif res["ok"] and spec.get("needs_vllm"):  # issue 44: the weights reached the engine and are in effect
+        if res["summary"]["sync_probe_logprob_diff_max"] is None:
+            res.fail("metrics.jsonl has no post-sync probe (sync/probe_logprob_diff_max)")
+        elif cuda and res.get("weight_sync") != "cuda_ipc":
+            res.fail(f"the colocated engine was synced by {res.get('weight_sync')}, not CUDA IPC")
+
+
+def _no_vllm() -> str | None:
+    from rlhforge.rollout.vllm_engine import vllm_available
+
+    return None if vllm_available() else "vLLM does not import here"
 
 
 def run_trl(spec: dict, res) -> None:
     import torch
+
+    use_vllm = bool(spec.get("use_vllm"))
+    if use_vllm and spec["device"] != "cuda":
+        res["not_applicable"] = ("TRL's vLLM colocation needs a GPU: on vLLM's CPU build its load_weights stops at the "
+                                 "first repacked linear layer (docs/vllm.md)")
+        return
 
     try:
         import datasets
@@ -154,9 +192,11 @@ def run_trl(spec: dict, res) -> None:
     args = trl.GRPOConfig(
         output_dir=spec["run_dir"], per_device_train_batch_size=n, gradient_accumulation_steps=1,
         generation_batch_size=n, num_generations=sh["samples"], max_completion_length=sh["new_tokens"],
-        num_iterations=1, beta=0.0, temperature=1.0, use_vllm=False, learning_rate=1e-5, max_steps=spec["steps"],
+        num_iterations=1, beta=0.0, temperature=1.0, learning_rate=1e-5, max_steps=spec["steps"],
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not cuda, bf16=spec["dtype"] == "bf16",
-        seed=0, disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=False)
+        seed=0, disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=False, use_vllm=use_vllm,
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": spec["vllm_gpu_memory_utilization"],
+            "vllm_max_model_length": sh["max_len"]} if use_vllm else {}))
     trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
                               callbacks=[Clock()])
     res["setup_s"] = round(time.time() - t, 2)

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import optional_deps_required
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu" / "check_rl.sh"
-STAGES = ("env", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "model", "hf_decode", "grpo_torch", "grpo_fsdp2",
-          "grpo_deepspeed", "trl")
+STAGES = ("env", "bug1", "nccl_group", "ipc_sync", "model", "vllm_engine", "grpo_vllm", "trl_vllm", "hf_decode",
+          "grpo_torch", "grpo_deepspeed", "trl", "grpo_fsdp2", "gpu_tests")
+RUN_ORDER = ["env", "model", "bug1", "nccl_group", "ipc_sync", *STAGES[5:]]  # the model is built beside bug1..ipc_sync
 
 
 def _load(name: str):
@@ -51,6 +54,34 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path):
     pytest_cmd = next(ln for ln in lines if ln.startswith("DRY-RUN [gpu_tests]"))
     assert " -m gpu " in pytest_cmd and "tests/rl/test_sleep.py" in pytest_cmd
     assert not out.exists() and not work.exists()  # nothing ran, nothing was written
+
+
+def test_dry_run_plans_the_hybrid_engine_with_vllm_first(tmp_path):
+    """Issue 44, point 3: right after the model, the check runs rlhforge's vLLM engine (sleep/wake), the seed's
+    hybrid engine on one GPU (actor, reference and one vLLM engine colocated through Ray, both asleep in turn,
+    ZeRO-3, bf16) and TRL with vLLM in colocate mode; the RL CLI accepts the hybrid run's flags as written."""
+    work, out = tmp_path / "work", tmp_path / "out.json"
+    r = _run(["--dry-run", "--work", str(work), "--out", str(out)], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    stages = [ln.split("]")[0].split("[")[1] for ln in lines if ln.startswith("DRY-RUN [") and ":" not in ln.split("]")[0]]
+    assert stages == RUN_ORDER
+    spec = lambda name: json.loads(next(ln for ln in lines if ln.strip().startswith(f"{name}.spec.json:")).split(":", 1)[1])
+    hybrid = spec("grpo_vllm")
+    flags = hybrid["flags"]
+    assert hybrid["needs_vllm"] and hybrid["driver_cuda"] is False and hybrid["device"] == "cuda"
+    from rlhforge.cli.train_ppo_ray import parse_rl_args
+
+    cfg = parse_rl_args(flags, validate=False)
+    cfg.validate()  # the config's own rules (the environment check would refuse the sleep on vLLM's CPU build)
+    assert (cfg.train.workers, cfg.train.colocate_all, cfg.vllm.num_engines, cfg.vllm.enable_sleep) == ("ray", True, 1, True)
+    assert (cfg.ds.strategy, cfg.ds.zero_stage, cfg.ds.enable_sleep, cfg.ds.param_dtype) == ("deepspeed", 3, True, "bf16")
+    assert cfg.algo.kl.init_coef > 0  # so the reference model is built, colocated with the actor and the engine
+    assert cfg.vllm.gpu_memory_utilization == 0.95  # the default a user gets (issue 39's F1 was an OOM at it)
+    engine = spec("vllm_engine")
+    assert (engine["prompts"] * engine["samples"], engine["new_tokens"], engine["rounds"]) == (64, 128, 3)
+    trl = spec("trl_vllm")
+    assert trl["use_vllm"] and trl["vllm_gpu_memory_utilization"] == 0.3 and trl["shape"] == spec("trl")["shape"]
 
 
 def test_dry_run_plans_the_deepspeed_stage_from_the_carried_wheel(tmp_path):
@@ -122,11 +153,20 @@ def test_cpu_smoke_runs_every_stage_to_a_passing_json(tmp_path):
     assert r.returncode == 0, (data.get("failed_stages"), r.stdout[-4000:], r.stderr[-2000:])
     assert data["mode"] == "cpu-smoke" and data["ok"] and data["exit_code"] == 0
     st = data["stages"]
-    assert list(st) == ["env", "model", "bug1", "nccl_group", "ipc_sync", "gpu_tests", "hf_decode", "grpo_torch",
-                        "grpo_fsdp2", "grpo_deepspeed", "trl"]
+    assert list(st) == RUN_ORDER
     for name, rec in st.items():
         assert rec["status"] in ("ok", "n/a"), (name, rec)
     assert st["trl"]["status"] == ("ok" if importlib.util.find_spec("trl") else "n/a")
+    assert st["trl_vllm"]["status"] == "n/a"  # TRL's vLLM colocation needs a GPU
+    if importlib.util.find_spec("vllm") or optional_deps_required():  # CI installs vLLM's CPU build
+        engine = st["vllm_engine"]["result"]  # no sleep mode on CPU: the same requests twice, the same tokens
+        assert engine["tokens_identical"] and engine["greedy_rows_equal"] == engine["sampled_rows_equal"] == 8
+        assert "no sleep mode" in engine["sleep"] and engine["tokens_per_s_median"] > 0
+        hybrid = st["grpo_vllm"]["result"]
+        assert hybrid["summary"]["steps"] == 2 and hybrid["weight_sync"] == "collective (gloo)"
+        probe = [r["sync/probe_logprob_diff_max"] for r in hybrid["summary"]["per_step"]]
+        assert len(probe) == 2 and max(probe) < 1e-3  # fp32 engine and trainer: the synced weights are in effect
+        assert all(r["sync/probe_policy_change"] > 0 for r in hybrid["summary"]["per_step"])  # ... and they moved
     bug1 = st["bug1"]["result"]
     assert bug1["group"]["backend"] == "gloo" and bug1["bug_reproduced"] is False  # the bug is NCCL-only
     assert bug1["fixed"]["has_device_parameter"] and all(s["ok"] for s in bug1["strategies"].values())
