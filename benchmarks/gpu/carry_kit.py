@@ -169,7 +169,8 @@ def plan(manifest: dict) -> list[str]:
              f"'mkdir -p /tmp/carry && cp .carry/{c['name']} .carry/manifest.json /tmp/carry/' "
              f"({c['bytes'] / 2**20:.1f} MiB)" for i, c in enumerate(manifest["chunks"])]
     steps.append(f"call {n + 1}/{n + 1}: command 'python3 benchmarks/gpu/carry_kit.py install --from /tmp/carry "
-                 "&& PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu/check_rl.sh' (no carry)")
+                 "&& PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu/check_rl.sh --budget-s 420' (no carry; the "
+                 "vLLM stages run first, the HF stages after them until the budget ends)")
     return steps
 
 

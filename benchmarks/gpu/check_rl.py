@@ -12,9 +12,13 @@ Run it through ``bash benchmarks/gpu/check_rl.sh`` (see benchmarks/gpu/README.md
 Stages, each in its own process with its own timeout, in order: env (versions, GPU, wheel install),
 bug1 (a host tensor in an NCCL all-reduce, and the fix), nccl_group (the weight-sync channel as an NCCL
 group of one), ipc_sync (CUDA-IPC weight sync into a plain-torch receiver: fingerprints, greedy tokens,
-s/GB), gpu_tests (pytest -m gpu), hf_decode (the HF engine's eager and CUDA-graph decode loops), grpo_torch, grpo_fsdp2 and grpo_deepspeed (GRPO through rlhforge's RL CLI
-on a ~0.4B Qwen3-shaped random model, bf16; DeepSpeed as ZeRO-3 with ``--ds.enable_sleep --ds.adam_offload``), trl (TRL's GRPOTrainer side by side). The model is built in the
-background while the first stages run. The results JSON is rewritten after every stage (and copied to
+s/GB); then, on a ~0.4B Qwen3-shaped random model in bf16: vllm_engine (rlhforge's vLLM engine: tokens/s,
+sleep, wake, the same tokens), grpo_vllm (the hybrid engine through Ray: colocated actor, reference and vLLM,
+ZeRO-3, CUDA-IPC sync, the post-sync probe), trl_vllm (TRL with vLLM in colocate mode), hf_decode (the HF
+engine's eager and CUDA-graph decode loops), grpo_torch, grpo_deepspeed and grpo_fsdp2 (GRPO through
+rlhforge's RL CLI with the HF engine; DeepSpeed as ZeRO-3 with ``--ds.enable_sleep --ds.adam_offload``), trl
+(TRL's GRPOTrainer side by side), gpu_tests (pytest -m gpu). The model is built in the background while the
+first stages run. vLLM, Ray and DeepSpeed come from benchmarks/gpu/carry_kit.py's bundle (issue 44). The results JSON is rewritten after every stage (and copied to
 $OUT when that names a folder), so a later failure or a timeout keeps what ran before.
 
 This file uses the standard library only; everything that imports torch runs in a child process.

@@ -3,8 +3,10 @@
 # one, CUDA-IPC weight sync into a plain-torch receiver, the GPU-marked tests, GRPO with the torch, FSDP2 and
 # DeepSpeed strategies in bf16 on a ~0.4B Qwen3-shaped model (DeepSpeed: ZeRO-3 with --ds.enable_sleep and
 # --ds.adam_offload, from the wheel fetch_wheels.sh builds with DS_BUILD_OPS=0; its cpu_adam op is JIT-built
-# there), TRL side by side. No vLLM or Ray: the machine has none. Writes benchmarks/results/gpu_check.json after
-# every stage. See benchmarks/gpu/README.md.
+# there), TRL side by side; first, after the model, the vLLM stages of issue 44 (rlhforge's vLLM engine with
+# sleep/wake, the hybrid engine through Ray with CUDA-IPC sync, TRL with vLLM), from vLLM 0.26, Ray and DeepSpeed
+# carried by benchmarks/gpu/carry_kit.py (its `plan` prints the device calls). Writes
+# benchmarks/results/gpu_check.json after every stage. See benchmarks/gpu/README.md.
 #
 #   bash benchmarks/gpu/fetch_wheels.sh            # first, on a machine with a package index: .whl/ (~7 MiB)
 #   bash benchmarks/gpu/check_rl.sh                # the check (GPU; installs .whl/*.whl into /tmp/site)
