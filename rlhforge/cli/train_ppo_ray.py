@@ -41,6 +41,16 @@ def parse_rl_args(argv: list[str] | None = None, *, prog: str | None = None, val
     return cfg
 
 
+def shares_actor_module(cfg: RLConfig, module, engine_dtype) -> bool:
+    """``--rollout.hf_engine_weights auto``: whether the in-process HF engine generates with the actor's own
+    module (the caller has ruled out Ray, FSDP2, ZeRO-3 and LoRA): same dtype, full (not quantised) weights,
+    synchronous training (an async run generates while the actor trains, so it needs its own copy)."""
+    if cfg.rollout.hf_engine_weights != "auto" or cfg.train.async_enable or cfg.ds.lora.rank > 0 or cfg.ds.load_in_4bit:
+        return False
+    params = list(module.parameters())
+    return bool(params) and all(p.dtype == engine_dtype for p in params)
+
+
 def check_environment(cfg: RLConfig) -> None:
     """Start-up checks that need the packages of the layers above ``config`` (which stays pure):
     vLLM importable (and its CPU build's limits) when engines are asked for, reward-server URLs well
@@ -219,9 +229,11 @@ def build_trainer(cfg: RLConfig):
                                           batch_size=cfg.rollout.generate_batch_size, dtype=engine_dtype,
                                           record_routing=cfg.train.routing_replay, hf_decode=cfg.rollout.hf_decode)
     else:
-        engine = HFEngine.from_model(actor_w.strategy.module, tokenizer, batch_size=cfg.rollout.generate_batch_size,
-                                     record_routing=cfg.train.routing_replay, dtype=engine_dtype,
-                                     hf_decode=cfg.rollout.hf_decode)
+        module = actor_w.strategy.module
+        share = shares_actor_module(cfg, module, engine_dtype)
+        engine = HFEngine.from_model(module, tokenizer, batch_size=cfg.rollout.generate_batch_size,
+                                     record_routing=cfg.train.routing_replay, dtype=None if share else engine_dtype,
+                                     hf_decode=cfg.rollout.hf_decode, share=share)
     out = Path(cfg.ckpt.output_dir)
     save_yaml(cfg, out / "config.yaml")
     print(f"[rlhforge] rl: {cfg.algo.advantage.estimator} / {cfg.actor.policy_loss_type}: {len(prompts)} prompts"

@@ -247,6 +247,12 @@ class RolloutConfig:
     ``eager`` (the default) the dynamic loop (finished rows leave the batch); ``auto`` graphs on CUDA where
     supported, else eager. Same greedy tokens either way (docs/performance.md). ``graphs`` is opt-in until the
     GPU check has run it on a GPU (none was lent when it was written). rlhforge-specific."""
+    hf_engine_weights: Literal["auto", "copy"] = "auto"
+    """The in-process HF engine's weights: ``auto`` generates with the actor's own module where that is the
+    same computation (one process, no Ray, torch strategy below ZeRO-3, no LoRA, the engine in the actor's
+    dtype, synchronous training), as TRL does: no copy in memory, nothing to sync, so no fingerprint or probe
+    runs (no ``sync/probe_*`` metrics); elsewhere, and with ``copy``, the engine keeps its own copy, loaded and
+    checked after every step (docs/rl.md). rlhforge-specific."""
     vllm_generate_batch_size: int | None = None
     """Prompts per generation call (any engine; None: the prompts still missing from the step). Above
     ``rollout.batch_size`` it oversamples: accepted groups beyond the step's ``batch_size`` are kept for

@@ -62,12 +62,16 @@ class HFEngine:
                  batch_size: int = 64, record_routing: bool = False, image_token_id: int | None = None,
                  banned_token_ids: Sequence[int] = (), kv_cache: str = "preallocated", native_gqa: bool = True,
                  shared_prefill: bool = True, padding_mask_4d: bool = True, fast_decode: bool = True,
-                 decode_kernel: str = "bmm", hf_decode: str = "eager"):
+                 decode_kernel: str = "bmm", hf_decode: str = "eager", shared: bool = False):
         if kv_cache not in ("preallocated", "dynamic"):
             raise ValueError(f"kv_cache must be 'preallocated' or 'dynamic', got {kv_cache!r}")
-        self.model = model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        self.shared = bool(shared)
+        """The model is the trainer's own module (:meth:`from_model` with ``share=True``): no copy, so nothing
+        to sync; each call switches it to eval mode and back, and its parameters keep their gradients."""
+        self.model = model if self.shared else model.eval()
+        if not self.shared:
+            for p in self.model.parameters():
+                p.requires_grad_(False)
         self.pad_token_id = int(pad_token_id)
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos_token_ids = tuple(int(e) for e in eos)
@@ -110,22 +114,44 @@ class HFEngine:
         copied to each of them before the first token is sampled (same outputs, a fraction of the work)."""
         from rlhforge.rollout.graph_decode import GraphDecoder
 
-        self.graphs = GraphDecoder.build(self, hf_decode)
+        with self.eval_mode():
+            self.graphs = GraphDecoder.build(self, hf_decode)
         """``--rollout.hf_decode``: the static-shape decode loop (CUDA graphs on a GPU,
         :mod:`rlhforge.rollout.graph_decode`), or None: the loop below."""
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer, batch_size: int = 64, record_routing: bool = False,
-                   kv_cache: str = "preallocated", dtype: torch.dtype | None = None, hf_decode: str = "eager"
-                   ) -> "HFEngine":
+                   kv_cache: str = "preallocated", dtype: torch.dtype | None = None, hf_decode: str = "eager",
+                   share: bool = False) -> "HFEngine":
         """An engine with its own copy of ``model`` (the trainer's unwrapped module), in ``dtype`` if given
-        (a bf16 run's engine decodes with bf16 weights, as a vLLM engine of that run would)."""
-        engine_model = copy.deepcopy(model)
-        if dtype is not None:
-            engine_model = engine_model.to(dtype)
+        (a bf16 run's engine decodes with bf16 weights, as a vLLM engine of that run would); ``share``: with
+        ``model`` itself (no copy; ``dtype`` must then be the model's), as TRL generates with the model it
+        trains."""
+        if share:
+            if dtype is not None and dtype != next(model.parameters()).dtype:
+                raise ValueError(f"an engine sharing the trainer's module decodes in its dtype, not {dtype}")
+            engine_model = model
+        else:
+            engine_model = copy.deepcopy(model)
+            if dtype is not None:
+                engine_model = engine_model.to(dtype)
         return cls(engine_model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                    batch_size=batch_size, record_routing=record_routing, kv_cache=kv_cache, hf_decode=hf_decode,
-                   **_vision_kwargs(tokenizer))
+                   shared=share, **_vision_kwargs(tokenizer))
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        """The model in eval mode for one call; a shared module's modes are put back as they were after it."""
+        if not self.shared:
+            yield
+            return
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            yield
+        finally:
+            for m, training in modes:
+                m.training = training
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer, device: str | torch.device = "cpu", batch_size: int = 64,
@@ -148,6 +174,9 @@ class HFEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> None:
         from rlhforge.backend.fingerprint import SyncReport, params_checksum, state_fingerprint
 
+        if self.shared:
+            raise RuntimeError("this HF engine generates with the trainer's own module: there are no weights to "
+                               "load into it (the trainer skips the sync of such an engine)")
         state = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         with self._lock:  # reuse: what was checksummed before and is unchanged since is not read again (the
             # sender's fingerprint of these very tensors in this process; the parameters as the last load left them)
@@ -177,7 +206,7 @@ class HFEngine:
         filtering). Sequences go through plain forwards a few at a time (:func:`probe_batches`), padded on
         the right: a causal model's real tokens never see the padding after them."""
         rows: list[list[float] | None] = [None] * len(prompts)
-        with self._lock:
+        with self._lock, self.eval_mode():
             for group in probe_batches([len(p) for p in prompts], self.PROBE_BATCH_TOKENS):
                 width = max(len(prompts[i]) for i in group)
                 x = torch.full((len(group), width), self.pad_token_id, dtype=torch.long, device=self.device)
@@ -209,10 +238,11 @@ class HFEngine:
         else:
             vision = None
         out: list[GenerationOutput] = []
-        for start in range(0, len(prompts), self.batch_size):
-            end = start + self.batch_size
-            out.extend(self._generate_batch(prompts[start:end], params[start:end],
-                                            None if vision is None else vision[start:end]))
+        with self.eval_mode():
+            for start in range(0, len(prompts), self.batch_size):
+                end = start + self.batch_size
+                out.extend(self._generate_batch(prompts[start:end], params[start:end],
+                                                None if vision is None else vision[start:end]))
         return out
 
     @torch.no_grad()

@@ -24,7 +24,9 @@ def _probe_rows(run_dir):
 
 
 def test_an_hf_engine_run_logs_the_probe_every_step(tiny_model_dir, tmp_path):
-    assert _run(tiny_model_dir, tmp_path, steps=3) == 0
+    # an engine with its own copy of the weights (by default a one-process fp32 run's engine shares the
+    # actor's module, and has nothing to sync: tests/rl/test_shared_engine.py)
+    assert _run(tiny_model_dir, tmp_path, "--rollout.hf_engine_weights", "copy", steps=3) == 0
     rows = _probe_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

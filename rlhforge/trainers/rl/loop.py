@@ -359,18 +359,23 @@ class RLTrainer(RLCheckpointing, RLExperience):  # checkpoints.py: checkpoints, 
     def sync_weights(self) -> None:
         """Gather the actor's full weights (all ranks take part; rank 0 returns them) and load them into
         the engines; check that they arrived (fingerprints) and are in effect (the probe:
-        :meth:`_check_probe`); then tell the rollout source which weights version the engines hold."""
-        sync_from = getattr(self.engine, "sync_from", None)  # engine actors: straight from actor rank 0
-        state = None if sync_from else self.actor.gather_weights()
-        with self._engine_guard():
-            self._release_model_caches()  # before the engines' weights wake (sleep mode)
-            if sync_from:
-                sync_from(self.actor)  # verifies every engine's fingerprint itself
-            else:
-                self.engine.update_weights(state)
-                check_engine_sync(self.engine, self.actor.call("sent_fingerprint")[0], self.state.global_step)
-            self._check_probe()
-            self.engine_version = self.state.global_step
+        :meth:`_check_probe`); then tell the rollout source which weights version the engines hold. An HF
+        engine that generates with the actor's own module (``--rollout.hf_engine_weights auto``) has nothing
+        to load or check."""
+        if getattr(self.engine, "shared", False):
+            self.sync_metrics = {}
+        else:
+            sync_from = getattr(self.engine, "sync_from", None)  # engine actors: straight from actor rank 0
+            state = None if sync_from else self.actor.gather_weights()
+            with self._engine_guard():
+                self._release_model_caches()  # before the engines' weights wake (sleep mode)
+                if sync_from:
+                    sync_from(self.actor)  # verifies every engine's fingerprint itself
+                else:
+                    self.engine.update_weights(state)
+                    check_engine_sync(self.engine, self.actor.call("sent_fingerprint")[0], self.state.global_step)
+                self._check_probe()
+        self.engine_version = self.state.global_step
         rollouts = getattr(self, "rollouts", None)
         if rollouts is not None:
             rollouts.synced(self.state.global_step)
