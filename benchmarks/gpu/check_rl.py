@@ -44,8 +44,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from gpu_metrics import (generation_line, headline, now, parse_pytest, read_json, safetensors_params,  # noqa: E402
-                         vllm_line, wheel_fits, write_json)
+from gpu_metrics import (generation_line, headline, now, out_of_memory, parse_pytest, read_json,  # noqa: E402
+                         safetensors_params, vllm_line, wheel_fits, write_json)
 
 SCHEMA = "rlhforge.gpu_check/2"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_check.json"
@@ -71,6 +71,7 @@ HYBRID_FLAGS = ["--train.workers", "ray", "--train.colocate_all", "--vllm.num_en
                 "--ds.enable_sleep"]
 HYBRID_GPU_FLAGS = ["--vllm.enable_sleep"]
 HYBRID_KL = "0.001"  # > 0: the run builds the reference model, colocated with the actor and the engine
+HYBRID_RETRY_UTIL = "0.5"  # the hybrid run again at this utilization when the default one ran out of memory
 TRL_VLLM_UTIL = 0.3  # TRL's own default vllm_gpu_memory_utilization in colocate mode
 # ~0.38B parameters: 24 x (attention 3.1M + MLP 12.6M) + 1k x 1024 tied embeddings; head_dim 64; Qwen3 family
 MODEL = {"gpu": {"arch": "qwen3", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
@@ -364,8 +365,16 @@ class Check:
         rec.update(equivalent_cli=shlex.join(["python", "-m", "rlhforge.cli.train_ppo_ray", *flags]),
                    shape=SHAPE[self.mode])
         # the models and the engine live in Ray workers: the driver keeps off the GPU (no CUDA peaks per phase)
-        self.child("grpo_vllm", "grpo", {**self.base_spec(), "flags": flags, "run_dir": str(run), "steps": self.a.steps,
-                                         "needs_vllm": True, "driver_cuda": False})
+        spec = {**self.base_spec(), "flags": flags, "run_dir": str(run), "steps": self.a.steps, "needs_vllm": True,
+                "driver_cuda": False}
+        self.child("grpo_vllm", "grpo", spec)
+        if self.cuda and not self.dry and out_of_memory(rec):  # issue 39's F1 seen for real: record it, rerun at 0.5
+            first = {k: rec.pop(k) for k in ("status", "rc", "wall_s", "result", "output_tail", "timed_out") if k in rec}
+            shutil.rmtree(run, ignore_errors=True)
+            spec["flags"] = flags + ["--vllm.gpu_memory_utilization", HYBRID_RETRY_UTIL]
+            self.child("grpo_vllm", "grpo", spec)
+            rec["at_default_utilization"] = first
+            rec["why"] = f"out of memory at the default --vllm.gpu_memory_utilization; rerun at {HYBRID_RETRY_UTIL}"
 
     def vllm_engine(self, model: Path | None) -> None:  # issue 44: generate, sleep, wake, the same tokens
         if model is None:

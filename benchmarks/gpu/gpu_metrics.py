@@ -220,3 +220,11 @@ def headline(name: str, rec: dict) -> str:
         if errors:
             s += f"  error: {errors[0][:200]}"
     return s
+
+
+def out_of_memory(rec: dict) -> bool:
+    """A failed stage whose error or log tail says the device ran out of memory."""
+    if rec.get("status") not in ("failed", "timed_out"):
+        return False
+    text = json.dumps((rec.get("result") or {}).get("errors") or []) + (rec.get("output_tail") or "")
+    return "out of memory" in text.lower() or "outofmemoryerror" in text.lower()

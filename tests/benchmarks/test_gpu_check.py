@@ -120,6 +120,19 @@ def test_dry_run_plans_the_deepspeed_stage_from_the_carried_wheel(tmp_path):
     assert (cfg.ds.strategy, cfg.ds.zero_stage, cfg.ds.enable_sleep, cfg.ds.adam_offload) == ("deepspeed", 3, True, True)
 
 
+def test_an_out_of_memory_hybrid_run_is_recognised_for_its_rerun():
+    """Stage grpo_vllm reruns at --vllm.gpu_memory_utilization 0.5 when the default one ran out of memory (issue 39's
+    F1), keeping the first attempt; other failures are not rerun."""
+    check = _load("check_rl")
+    oom = {"status": "failed", "result": {"errors": ["RayTaskError: torch.OutOfMemoryError: CUDA out of memory. "
+                                                     "Tried to allocate 2.00 GiB"]}}
+    assert check.out_of_memory(oom)
+    assert check.out_of_memory({"status": "timed_out", "output_tail": "... CUDA out of memory ..."})
+    assert not check.out_of_memory({"status": "failed", "result": {"errors": ["ConfigError: --vllm.num_engines"]}})
+    assert not check.out_of_memory({"status": "ok", "output_tail": "out of memory"})
+    assert check.HYBRID_RETRY_UTIL == "0.5"
+
+
 def test_cpu_smoke_refuses_to_write_into_benchmarks_results(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT.parent / "check_rl.py"), "--cpu-smoke", "--work", str(tmp_path),
                         "--out", str(REPO / "benchmarks" / "results" / "gpu_check_smoke.json")],
