@@ -374,7 +374,8 @@ class Check:
             spec["flags"] = flags + ["--vllm.gpu_memory_utilization", HYBRID_RETRY_UTIL]
             self.child("grpo_vllm", "grpo", spec)
             rec["at_default_utilization"] = first
-            rec["why"] = f"out of memory at the default --vllm.gpu_memory_utilization; rerun at {HYBRID_RETRY_UTIL}"
+            rec["why"] = (f"out of memory (or refused for memory at start-up) at the default "
+                          f"--vllm.gpu_memory_utilization; rerun at {HYBRID_RETRY_UTIL}")
 
     def vllm_engine(self, model: Path | None) -> None:  # issue 44: generate, sleep, wake, the same tokens
         if model is None:

@@ -223,8 +223,9 @@ def headline(name: str, rec: dict) -> str:
 
 
 def out_of_memory(rec: dict) -> bool:
-    """A failed stage whose error or log tail says the device ran out of memory."""
+    """A failed stage whose error or log tail says the device ran out of memory, or that rlhforge's start-up
+    check refused the engines' memory (colocated engines that could not wake beside the models)."""
     if rec.get("status") not in ("failed", "timed_out"):
         return False
-    text = json.dumps((rec.get("result") or {}).get("errors") or []) + (rec.get("output_tail") or "")
-    return "out of memory" in text.lower() or "outofmemoryerror" in text.lower()
+    text = (json.dumps((rec.get("result") or {}).get("errors") or []) + (rec.get("output_tail") or "")).lower()
+    return any(s in text for s in ("out of memory", "outofmemoryerror", "cannot wake their kv cache"))

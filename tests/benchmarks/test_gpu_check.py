@@ -128,6 +128,8 @@ def test_an_out_of_memory_hybrid_run_is_recognised_for_its_rerun():
                                                      "Tried to allocate 2.00 GiB"]}}
     assert check.out_of_memory(oom)
     assert check.out_of_memory({"status": "timed_out", "output_tail": "... CUDA out of memory ..."})
+    assert check.out_of_memory({"status": "failed", "output_tail": "error: colocated vLLM engines cannot wake their "
+                                                                 "KV cache beside the models: ..."})  # refused at start
     assert not check.out_of_memory({"status": "failed", "result": {"errors": ["ConfigError: --vllm.num_engines"]}})
     assert not check.out_of_memory({"status": "ok", "output_tail": "out of memory"})
     assert check.HYBRID_RETRY_UTIL == "0.5"
