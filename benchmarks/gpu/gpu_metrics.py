@@ -163,6 +163,10 @@ def generation_line(stages: dict) -> list[str]:
             + (f"; grpo_torch's rollouts (hf_decode auto) {ours:.0f} tok/s" if ours else "")]
 
 
+#: issue 42's GPU baseline: the HF engine's generation tok/s in grpo_torch of the 2026-12-04 check (gpu_check.json)
+HF_ENGINE_TOKS_20261204 = 2810
+
+
 def vllm_line(stages: dict, gpu: bool) -> list[str]:
     """rlhforge's vLLM engine (stage vllm_engine) and its hybrid-engine GRPO step against TRL's with vLLM."""
     e, g, t = ((stages.get(k) or {}).get("result") or {} for k in ("vllm_engine", "grpo_vllm", "trl_vllm"))
@@ -170,8 +174,8 @@ def vllm_line(stages: dict, gpu: bool) -> list[str]:
     out = []
     if e.get("tokens_per_s_median") and gpu:  # (the 2810 was measured on a GPU: no CPU comparison)
         out.append(f"generation: rlhforge's vLLM engine {e['tokens_per_s_median']:.0f} tok/s at {e.get('rows')} rows x "
-                   f"{e.get('new_tokens')} tokens ({e['tokens_per_s_median'] / 2810:.2f}x the HF engine's 2810 tok/s "
-                   "of the 2026-12-04 check)")
+                   f"{e.get('new_tokens')} tokens ({e['tokens_per_s_median'] / HF_ENGINE_TOKS_20261204:.2f}x the HF "
+                   f"engine's {HF_ENGINE_TOKS_20261204} tok/s of the 2026-12-04 check)")
     if ours and trl:
         out.append(f"step: rlhforge + vLLM (hybrid engine, Ray, ZeRO-3) {ours:.2f} s, TRL + vLLM (colocate) {trl:.2f} s: "
                    f"{trl / ours:.2f}x")

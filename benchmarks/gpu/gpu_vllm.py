@@ -30,7 +30,7 @@ def _prompts(tok, n: int, max_len: int) -> list[list[int]]:
     for r in records:
         ids = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
                                       tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
         out.append([int(t) for t in ids][:max_len])
     return out
 
