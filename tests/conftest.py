@@ -23,6 +23,20 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # strict-device mode (rlhforge/backend/strict_device.py) for the suite and every process it starts
 # (torchrun ranks, Ray workers): a host tensor reaching a collective fails here as it would on NCCL
 os.environ.setdefault("RLHFORGE_STRICT_DEVICE", "1")
+# scripts/test.sh runs the suite on 2 pytest-xdist workers: one torch (OpenMP) thread per worker and per
+# process a test starts, so two workers share the 2 cores instead of 4 threads spinning on them
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+#: test files that run after the parallel phase, alone on the machine (scripts/test.sh): their deadlines
+#: (a hung rank named within 6 s, a collective that gives up after 2 s, an engine restarted within its
+#: request deadline ...) are part of what they check, and a second worker beside them could stretch a
+#: step that must finish in time past it
+SERIAL = (
+    "tests/faults/",
+    "tests/distributed/test_deadlines.py",
+    "tests/rl/test_engine_deadline.py",
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +60,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+    _keep_phase(config, items)
     import torch
 
     if torch.cuda.is_available():
@@ -54,6 +69,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _keep_phase(config, items) -> None:
+    """``RLHFORGE_TEST_PHASE=parallel`` keeps the tests outside :data:`SERIAL`, ``serial`` keeps those in it,
+    unset keeps all (a plain ``pytest``); scripts/test.sh runs the two phases one after the other."""
+    phase = os.environ.get("RLHFORGE_TEST_PHASE", "").strip()
+    if not phase:
+        return
+    if phase not in ("parallel", "serial"):
+        raise pytest.UsageError(f"RLHFORGE_TEST_PHASE must be parallel or serial (got {phase!r})")
+    root = config.rootpath
+
+    def serial(item) -> bool:
+        rel = item.path.relative_to(root).as_posix()
+        return any(rel.startswith(prefix) for prefix in SERIAL)
+
+    keep = [item for item in items if serial(item) == (phase == "serial")]
+    dropped = [item for item in items if serial(item) != (phase == "serial")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 def optional_deps_required() -> bool:

@@ -10,10 +10,19 @@ reproducible here in 60 runs. A run that fails that way is run again, once, with
 report; any other failure, or the same one twice, fails the test as before.
 """
 
+import socket
 import subprocess
 import warnings
 
 TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a torchrun ``--master_port``: picked by the kernel, so two tests
+    running at once (``pytest -n 2``, scripts/test.sh) do not pick the same one as a pid-derived port could."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def teardown_abort(proc: subprocess.CompletedProcess) -> bool:
@@ -32,7 +41,7 @@ def run_torchrun(cmd, **kwargs) -> subprocess.CompletedProcess:
     return proc
 
 
-def run_worker(worker, nproc: int, *args, port_base: int = 34000, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_worker(worker, nproc: int, *args, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --nproc_per_node nproc worker *args`` from the repository root (one
     torch thread per rank, the repository on PYTHONPATH), through :func:`run_torchrun`."""
     import os
@@ -42,5 +51,5 @@ def run_worker(worker, nproc: int, *args, port_base: int = 34000, timeout: float
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(port_base + os.getpid() % 1000), str(worker), *map(str, args)]
+           str(free_port()), str(worker), *map(str, args)]
     return run_torchrun(cmd, env=env, cwd=root, timeout=timeout)

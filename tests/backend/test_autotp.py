@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhforge.backend.autotp import autotp_ds_config, check_tp_size, tp_layout
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 WORKER = Path(__file__).with_name("autotp_worker.py")
 
@@ -19,7 +19,7 @@ def _run(model_dir, out, nproc, specs):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     args = [str(WORKER), str(model_dir), str(out), *specs]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(29800 + os.getpid() % 100), *args] if nproc > 1 else [sys.executable, *args])
+            str(free_port()), *args] if nproc > 1 else [sys.executable, *args])
     proc = run_torchrun(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
@@ -79,7 +79,7 @@ def test_sft_cli_with_autotp_on_two_ranks_matches_one(tiny_model_dir, tmp_path):
     tp = tmp_path / "tp"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29900 + os.getpid() % 100), "-m", "rlhforge.cli.train_sft",
+           str(free_port()), "-m", "rlhforge.cli.train_sft",
            *sft_args(tiny_model_dir, data, tp, *common, "--ds.tensor_parallel_size", "2")]
     proc = run_torchrun(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -120,7 +120,7 @@ def test_preference_cli_with_autotp_on_two_ranks_matches_one(tiny_model_dir, tmp
     assert main([*base, "--ckpt.output_dir", str(single)]) == 0
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29950 + os.getpid() % 40), "-m", f"rlhforge.cli.{command}", *base, "--ckpt.output_dir", str(tp),
+           str(free_port()), "-m", f"rlhforge.cli.{command}", *base, "--ckpt.output_dir", str(tp),
            "--ds.tensor_parallel_size", "2"]
     proc = run_torchrun(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

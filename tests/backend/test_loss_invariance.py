@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 WORKER = Path(__file__).with_name("dist_grad_worker.py")
 
@@ -16,7 +16,7 @@ def _run(tiny_model_dir, tmp_path, nproc, micro, specs):
     out = tmp_path / f"grads_{nproc}_{micro}.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(29500 + os.getpid() % 1000), str(WORKER), str(tiny_model_dir), str(out), str(micro), *specs]
+           str(free_port()), str(WORKER), str(tiny_model_dir), str(out), str(micro), *specs]
     if nproc == 1:
         cmd = [sys.executable, str(WORKER), str(tiny_model_dir), str(out), str(micro), *specs]
     proc = run_torchrun(cmd, env=env, timeout=600)

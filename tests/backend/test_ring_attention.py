@@ -15,7 +15,7 @@ import torch
 
 from rlhforge.backend.context_parallel import RingGroup, padded_length, packed_sequence_ids, ring_topology, slice_packed
 from rlhforge.backend.ring_attention import BlockPlan, TorchBlockKernel, block_plan, plan_mask
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 WORKER = Path(__file__).with_name("ring_worker.py")
 
@@ -26,7 +26,7 @@ def ring_results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("ring") / "ring.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(request.param), "--master_port",
-           str(31000 + request.param + os.getpid() % 1000), str(WORKER), str(out)]
+           str(free_port()), str(WORKER), str(out)]
     proc = run_torchrun(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)

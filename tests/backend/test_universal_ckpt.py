@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 WORKER = Path(__file__).with_name("universal_ckpt_worker.py")
 
@@ -17,7 +17,7 @@ def _run(tiny_model_dir, root, out, stages, mode, nproc):
     args = [str(WORKER), str(tiny_model_dir), str(root), str(out), stages, mode]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(29700 + os.getpid() % 1000), *args]
+               str(free_port()), *args]
     else:
         cmd = [sys.executable, *args]
     proc = run_torchrun(cmd, env=env, timeout=300)

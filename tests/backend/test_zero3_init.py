@@ -12,7 +12,7 @@ WORKER = Path(__file__).with_name("zero3_init_worker.py")
 
 def test_zero3_loads_partitioned_and_exactly(tiny_model_dir, tmp_path):
     out = tmp_path / "out.json"
-    proc = run_worker(WORKER, 2, tiny_model_dir, out, port_base=34300)
+    proc = run_worker(WORKER, 2, tiny_model_dir, out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r0, r1 = json.loads(out.read_text())
     for r in (r0, r1):

@@ -14,7 +14,7 @@ WORKER = Path(__file__).with_name("lora_stream_worker.py")
 
 def test_every_rank_streams_the_same_merged_lora_weights(tiny_model_dir, tmp_path):
     out = tmp_path / "out.json"
-    proc = run_worker(WORKER, 2, tiny_model_dir, out, port_base=34100)
+    proc = run_worker(WORKER, 2, tiny_model_dir, out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     r0, r1 = res["ranks"]

@@ -20,7 +20,7 @@ from rlhforge.workers.actor import ActorWorker, CriticWorker, PolicyLossSpec
 
 from tests.rl.dynamic_batch_worker import LENGTHS, experience_samples as _samples
 from tests.rl.helpers import worker_plan
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 # LENGTHS: mixed, long and short alternating: fixed pairs pad every short sample up to a long one
 BUDGET = 128  # first-fit decreasing: 60+55+12 | 50+10+8+7+6 -> 2 micro-batches instead of 4 pairs
@@ -191,7 +191,7 @@ def test_two_ranks_deepspeed_and_ddp_equal_fixed_and_one_rank(actor, tiny_model_
     out = tmp_path / "two_ranks.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29500 + (os.getpid() + 7) % 1000), str(worker), str(tiny_model_dir), str(out), "64",
+           str(free_port()), str(worker), str(tiny_model_dir), str(out), "64",
            "torch", "deepspeed:2", "deepspeed:3", "fsdp2"]
     proc = run_torchrun(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 WORKER = Path(__file__).with_name("ring_actor_worker.py")
 ROOT = Path(__file__).parents[2]
@@ -18,7 +18,7 @@ ROOT = Path(__file__).parents[2]
 def _run(model_dir, out, nproc):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(33000 + nproc + os.getpid() % 1000), str(WORKER), str(model_dir), str(out)]
+           str(free_port()), str(WORKER), str(model_dir), str(out)]
     proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return torch.load(out, weights_only=False)

@@ -13,7 +13,7 @@ import torch
 
 from rlhforge.cli import train_dpo
 from rlhforge.tracking.metrics import read_metrics
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 
 def args(model_dir, out):
@@ -24,7 +24,7 @@ def args(model_dir, out):
             "--logger.progress_bar", "off"]
 
 
-def _single_and_two_ranks(template: list[str], tmp_path: Path, *dist_extra: str, port_salt: int = 7):
+def _single_and_two_ranks(template: list[str], tmp_path: Path, *dist_extra: str):
     """One process, then two torchrun ranks with ``dist_extra``: ``(single run dir, dist run dir, torchrun result)``."""
     single = tmp_path / "single"
     n = torch.get_num_threads()
@@ -36,7 +36,7 @@ def _single_and_two_ranks(template: list[str], tmp_path: Path, *dist_extra: str,
     dist = tmp_path / "dist"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]), "TQDM_DISABLE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29500 + (os.getpid() + port_salt) % 1000), "-m", "rlhforge.cli.train_dpo", *args_for(template, dist),
+           str(free_port()), "-m", "rlhforge.cli.train_dpo", *args_for(template, dist),
            *dist_extra]
     proc = run_torchrun(cmd, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -64,7 +64,7 @@ def test_two_ranks_zero3_partition_the_reference_and_match_one_process(tiny_mode
     full = args(tiny_model_dir, tmp_path)
     i = full.index("--ds.lora.rank")
     del full[i : i + 2]  # a separate reference (no LoRA)
-    single, dist, proc = _single_and_two_ranks(full, tmp_path, "--ds.zero_stage", "3", port_salt=11)
+    single, dist, proc = _single_and_two_ranks(full, tmp_path, "--ds.zero_stage", "3")
     (line,) = [x for x in proc.stdout.splitlines() if "reference: separate model" in x]
     part = line.split("reference: separate model (deepspeed, ")[1]
     local, total = (int(x) for x in part.split(" parameters on this rank")[0].split(" of "))

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from rlhforge.cli import train_dpo
 from rlhforge.tracking.metrics import read_metrics
 from tests.model_helpers import perturbed_copy
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 ROOT = Path(__file__).parents[2]
 KEYS = ("train/loss", "train/acc", "train/reward_margin", "train/chosen_logp", "train/rejected_logp",
@@ -34,7 +34,7 @@ def args(model_dir, ref_dir, out, *extra):
             "--model.beta", "0.5", "--ckpt.output_dir", str(out), "--logger.progress_bar", "off", *extra]
 
 
-def run_single_and_ring(argv, tmp_path, port: int):
+def run_single_and_ring(argv, tmp_path):
     """The one-process packed run and the 2-rank ring run of ``argv(out)``: their metrics and folders."""
     single, ring = tmp_path / "single", tmp_path / "ring"
     n = torch.get_num_threads()
@@ -45,7 +45,7 @@ def run_single_and_ring(argv, tmp_path, port: int):
         torch.set_num_threads(n)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(port + os.getpid() % 1000), "-m", "rlhforge.cli.train_dpo", *argv(ring), "--ds.ring_attn_size", "2"]
+           str(free_port()), "-m", "rlhforge.cli.train_dpo", *argv(ring), "--ds.ring_attn_size", "2"]
     proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "1 data-parallel x 2 ring-attention" in proc.stdout
@@ -54,7 +54,7 @@ def run_single_and_ring(argv, tmp_path, port: int):
 
 def test_dpo_ring_attention_two_ranks_match_one(tiny_model_dir, tmp_path):
     ref = perturbed_copy(tiny_model_dir, tmp_path / "ref", seed=1)  # policy != reference: a real loss at step 1
-    a, b, single, ring, stdout = run_single_and_ring(lambda out: args(tiny_model_dir, ref, out), tmp_path, 33000)
+    a, b, single, ring, stdout = run_single_and_ring(lambda out: args(tiny_model_dir, ref, out), tmp_path)
     assert "reference: separate model" in stdout
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     assert a[0]["train/pairs"] == 8 and a[0]["train/nll_loss"] > 1.0  # a real NLL of the tiny model
@@ -84,7 +84,7 @@ def test_dpo_ring_lora_precomputed_reference_matches_one(tiny_model_dir, tmp_pat
         a = args(tiny_model_dir, tiny_model_dir, out, "--ds.lora.rank", "4", "--adam.lr", "5e-3",
                  "--ref.precompute_enable", "--model.nll_loss_coef", "0")
         return a[:2] + a[4:]  # no --ref.model_name_or_path: the policy's own checkpoint
-    a, b, single, ring, stdout = run_single_and_ring(argv, tmp_path, 35000)
+    a, b, single, ring, stdout = run_single_and_ring(argv, tmp_path)
     assert "reference: adapter-disabled policy (precomputed once)" in stdout
     assert a[0]["train/loss"] == pytest.approx(0.6931472, abs=1e-6)  # policy == reference at step 1: log 2
     assert abs(a[1]["train/reward_margin"]) > 0.1  # the adapter has moved the policy away from the reference

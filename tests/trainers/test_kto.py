@@ -120,7 +120,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, perturbed_reference, tmp_pa
     from pathlib import Path
 
     from rlhforge.cli.train_kto import main
-    from tests.torchrun import run_torchrun
+    from tests.torchrun import free_port, run_torchrun
 
     common = ["--model.model_name_or_path", str(tiny_model_dir), "--data.dataset", "builtin:arithmetic_kto?n=48",
               "--ref.model_name_or_path", str(perturbed_reference), "--data.apply_chat_template",
@@ -128,7 +128,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, perturbed_reference, tmp_pa
     assert main([*common, "--train.micro_batch_size", "16", "--ckpt.output_dir", str(tmp_path / "single")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]), "TQDM_DISABLE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29500 + (os.getpid() + 23) % 1000), "-m", "rlhforge.cli.train_kto", *common,
+           str(free_port()), "-m", "rlhforge.cli.train_kto", *common,
            "--train.micro_batch_size", "8", "--ds.zero_stage", "2", "--ckpt.output_dir", str(tmp_path / "dist")]
     proc = run_torchrun(cmd, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

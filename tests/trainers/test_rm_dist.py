@@ -12,7 +12,7 @@ import torch
 
 from rlhforge.cli import train_rm
 from rlhforge.tracking.metrics import read_metrics
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 
 def args(model_dir, out):
@@ -37,7 +37,7 @@ def test_two_ranks_zero3_match_one_process(tiny_model_dir, tmp_path):
     dist = tmp_path / "dist"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]), "TQDM_DISABLE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29500 + os.getpid() % 1000), "-m", "rlhforge.cli.train_rm", *args(tiny_model_dir, dist),
+           str(free_port()), "-m", "rlhforge.cli.train_rm", *args(tiny_model_dir, dist),
            "--ds.zero_stage", "3"]
     proc = run_torchrun(cmd, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

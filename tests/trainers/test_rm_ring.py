@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from rlhforge.cli import train_rm
 from rlhforge.tracking.metrics import read_metrics
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 ROOT = Path(__file__).parents[2]
 KEYS = ("train/loss", "train/acc", "train/chosen_reward", "train/rejected_reward", "train/reward_margin",
@@ -45,7 +45,7 @@ def test_rm_ring_attention_two_ranks_match_one(tiny_model_dir, tmp_path):
     ring = tmp_path / "ring"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(34000 + os.getpid() % 1000), "-m", "rlhforge.cli.train_rm",
+           str(free_port()), "-m", "rlhforge.cli.train_rm",
            *args(tiny_model_dir, ring, "--ds.strategy", "deepspeed", "--ds.zero_stage", "2",
                  "--ds.ring_attn_size", "2")]
     proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=600)

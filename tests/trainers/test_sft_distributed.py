@@ -8,7 +8,7 @@ import pytest
 
 from rlhforge.cli.train_sft import main as sft_main
 from tests.trainers.sft_helpers import losses, sft_args, write_sft_data
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 ROOT = Path(__file__).parents[2]
 
@@ -22,7 +22,7 @@ def test_zero_two_processes_match_single_process(tiny_model_dir, tmp_path, stage
     dist = tmp_path / f"zero{stage}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29600 + stage + os.getpid() % 500), "-m", "rlhforge.cli.train_sft",
+           str(free_port()), "-m", "rlhforge.cli.train_sft",
            *sft_args(tiny_model_dir, data, dist, "--ds.attn_implementation", "eager", "--ds.strategy", "deepspeed",
                      "--ds.zero_stage", stage, "--train.micro_batch_size", "2", "--ckpt.save_steps", "2",
                      *(["--ds.adam_offload"] if offload else []))]
@@ -55,7 +55,7 @@ def test_lora_zero3_two_processes_adapter_matches_single_process(tiny_model_dir,
     assert sft_main(args(single, "--ds.strategy", "torch")) == 0
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(30200 + os.getpid() % 500), "-m", "rlhforge.cli.train_sft", *args(dist)]
+           str(free_port()), "-m", "rlhforge.cli.train_sft", *args(dist)]
     proc = run_torchrun(cmd, env=env, cwd=ROOT, timeout=540)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     a, b = losses(single), losses(dist)

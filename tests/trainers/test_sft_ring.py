@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from rlhforge.cli.train_sft import main as sft_main
 from tests.trainers.sft_helpers import losses, sft_args, write_sft_data
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 ROOT = Path(__file__).parents[2]
 
@@ -30,7 +30,7 @@ def test_sft_ring_attention_two_ranks_match_one(tiny_model_dir, tmp_path):
     ring = tmp_path / "ring"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(32000 + os.getpid() % 1000), "-m", "rlhforge.cli.train_sft",
+           str(free_port()), "-m", "rlhforge.cli.train_sft",
            *sft_args(tiny_model_dir, data, ring, *common, *strategy, "--ds.ring_attn_size", "2",
                      "--ds.ring_attn_head_stride", "1",
                      "--model.gradient_checkpointing_enable")]  # recomputed layers find the ring layout

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from rlhforge.cli.train_sft import main as sft_main
 from tests.vlm_helpers import write_colour_data
-from tests.torchrun import run_torchrun
+from tests.torchrun import free_port, run_torchrun
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -140,7 +140,7 @@ def test_vlm_sft_zero3_two_processes_matches_one(tiny_vlm_dir, tmp_path):
     common = ["--train.max_epochs", "1", "--logger.logging_steps", "1", "--model.freeze_visual_encoder"]
     assert sft_main(_args(tiny_vlm_dir, data, single, *common)) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29700 + os.getpid() % 500), "-m", "rlhforge.cli.train_sft",
+           str(free_port()), "-m", "rlhforge.cli.train_sft",
            *_args(tiny_vlm_dir, data, dist, *common, "--ds.strategy", "deepspeed", "--ds.zero_stage", "3")]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     proc = run_torchrun(cmd, env=env, cwd=root, timeout=600)
