@@ -28,14 +28,25 @@ os.environ.setdefault("RLHFORGE_STRICT_DEVICE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-#: test files that run after the parallel phase, alone on the machine (scripts/test.sh): their deadlines
-#: (a hung rank named within 6 s, a collective that gives up after 2 s, an engine restarted within its
-#: request deadline ...) are part of what they check, and a second worker beside them could stretch a
-#: step that must finish in time past it
+#: test files that run after the parallel phase, alone on the machine (scripts/test.sh): a deadline or a
+#: time bound is part of what they check (a hung rank named within 6 s, a collective that gives up after
+#: 2 s, an engine restarted within its request deadline, a 50 MB body refused within 1 s, an env episode
+#: or a sandboxed program that must finish inside its timeout, a server's seq_id gap timer ...), and a
+#: second worker beside them could stretch a step that must finish in time past its bound
 SERIAL = (
     "tests/faults/",
+    "tests/security/",
+    "tests/tinker/",
     "tests/distributed/test_deadlines.py",
+    "tests/distributed/test_weight_sync.py",
+    "tests/distributed/test_gpu_review_fixes.py",
     "tests/rl/test_engine_deadline.py",
+    "tests/agents/test_sandbox.py",
+    "tests/agents/test_multi_turn.py",
+    "tests/agents/test_env_verifiers.py",
+    "tests/agents/test_env_openenv.py",
+    "tests/agents/test_openrlhf_files.py",
+    "tests/rewards/test_math.py",
 )
 
 
@@ -137,3 +148,24 @@ def ray_init_local(ray, **kwargs) -> None:
     opts = dict(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     with keep_loopback(True):
         ray.init(**{**opts, **kwargs})
+
+
+def pytest_runtest_logreport(report):
+    """The docs pages' counts of blocks run and only parsed, from each page test's report
+    (``record_property`` in tests/docs/test_docs_pages.py): here, in the process that reports (the
+    pytest-xdist controller, or the one pytest process), so the summary line counts every worker's pages."""
+    for key, value in getattr(report, "user_properties", ()):
+        if key == "docs_block_counts":
+            from tests.docs.test_docs_pages import COUNTS
+
+            COUNTS[value["page"]] = value["counts"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The count of documented blocks run and only parsed (tests/docs/test_docs_pages.py), if any page ran."""
+    import sys
+
+    pages = sys.modules.get("tests.docs.test_docs_pages")
+    line = pages.docs_summary() if pages is not None else None
+    if line:
+        terminalreporter.write_line(line)

@@ -14,6 +14,7 @@ from tests.docs.harness import PAGES, walk
 #: assume the README's commands ran (``runs/tiny``); docs/serve_rm.md serves docs/rm.md's reward model.
 NEEDS = {**{p: "README.md" for p in PAGES if p.startswith("docs/")}, "docs/serve_rm.md": "docs/rm.md"}
 COUNTS: dict[str, dict[str, int]] = {}
+COUNTS_KEY = "docs_block_counts"  # read by tests/conftest.py (pytest_runtest_logreport)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def pages_home(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
-def test_page_blocks_run_or_parse(page, pages_home):
+def test_page_blocks_run_or_parse(page, pages_home, record_property):
     folder = pages_home / page.replace("/", "_")
     needed = NEEDS.get(page)
     if needed:
@@ -31,7 +32,9 @@ def test_page_blocks_run_or_parse(page, pages_home):
         if not source.is_dir():
             walk(needed, pages_home / needed.replace("/", "_"))
         shutil.copytree(source, folder / "runs", symlinks=True)
-    COUNTS[page] = walk(page, folder)
+    # through the test report (record_property), so the counts reach the controller under pytest-xdist too
+    # (tests/docs/conftest.py collects them from every report and prints the summary line)
+    record_property(COUNTS_KEY, {"page": page, "counts": walk(page, folder)})
 
 
 def docs_summary() -> str | None:
