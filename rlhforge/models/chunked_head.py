@@ -18,6 +18,16 @@ per-row matmul) to float rounding; tests/models/test_chunked_head.py checks it f
 
 Models whose forward does more than ``lm_head(hidden)`` (a final logit soft-cap, a logit scale) keep
 the full-logits path (:func:`head_for`).
+
+**The log-prob on a plain head** (and the entropy, where it is not differentiated), an ``nn.Linear`` with
+ordinary tensors (no ZeRO-3 or FSDP2 parameters, no hooks on it, no autocast), goes through
+:class:`_HeadLogprob`, which does the same recomputation by hand: the forward keeps the chunk's hidden
+states and its log-sum-exp, the backward recomputes the logits once and turns them into their gradient in
+place, ``g * (onehot - softmax)``, before the two matmuls. The autograd graph of the checkpointed chunk
+instead builds a zero-filled ``[c, V]`` gradient for the gather, another for the log-sum-exp, adds them and
+divides by the temperature: at a 151,936-token vocabulary those passes over the logits cost about as much
+as the head's matmuls (docs/performance.md). The values and gradients are those of the checkpointed chunk,
+bit for bit (tests/models/test_chunked_head.py).
 """
 
 from __future__ import annotations
@@ -141,6 +151,61 @@ def _chunk(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: float, 
         return logp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
+class _HeadLogprob(torch.autograd.Function):
+    """``log softmax(hidden @ weight.T + bias) / temperature)[labels]`` for one chunk, recomputing the logits
+    in the backward (module docstring), and with ``entropy`` the distribution's entropy, not differentiated
+    (an empty tensor otherwise). Inputs: hidden ``[c, H]``, labels ``[c]``, weight ``[V, H]``, bias."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, labels: Tensor, temperature: float, entropy: bool, weight: Tensor,
+                bias: Tensor | None):
+        z = _scaled_logits(hidden, weight, bias, temperature)
+        lse = torch.logsumexp(z, dim=-1)
+        logp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+        ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if entropy else lse.new_empty(0)
+        ctx.mark_non_differentiable(ent)
+        ctx.save_for_backward(hidden, labels, weight, bias, lse)
+        ctx.temperature = temperature
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_entropy: Tensor):
+        hidden, labels, weight, bias, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        with torch.no_grad():
+            # d logp / d z = onehot(label) - softmax(z): built in the recomputed logits' own storage
+            g = _scaled_logits(hidden, weight, bias, temperature).sub_(lse[:, None]).exp_().mul_(-grad[:, None])
+            g.scatter_add_(-1, labels[:, None], grad[:, None].to(g.dtype))
+            if temperature != 1.0:
+                g.div_(temperature)
+            g = g.to(weight.dtype)
+            grad_hidden = g.mm(weight) if ctx.needs_input_grad[0] else None
+            # contiguous like the weight: accumulating a transposed [V, H] gradient into .grad is a strided pass
+            grad_weight = g.t().mm(hidden) if ctx.needs_input_grad[4] else None
+            grad_bias = g.sum(0) if bias is not None and ctx.needs_input_grad[5] else None
+        return grad_hidden, None, None, None, grad_weight, grad_bias
+
+
+def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """``linear(hidden, weight, bias)`` in fp32, divided by the temperature (as :func:`_chunk`)."""
+    z = nn.functional.linear(hidden, weight, bias).float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def _plain_head(head: nn.Module, hidden: Tensor) -> bool:
+    """Whether the chunk's head can go through :class:`_HeadLogprob`: an ``nn.Linear`` whose parameters are
+    ordinary tensors (not ZeRO-3's or FSDP2's), without module hooks (anything may hang on a call), outside
+    autocast (the recompute would need its dtypes) and in the hidden states' dtype."""
+    if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks:
+        return False
+    if torch.is_autocast_enabled(hidden.device.type):
+        return False
+    params = [head.weight] + ([head.bias] if head.bias is not None else [])
+    if any(hasattr(p, "ds_id") or type(p) not in (nn.Parameter, Tensor) or p.dtype != hidden.dtype for p in params):
+        return False
+    return not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
 def head_logprobs(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: float = 1.0, *,
                   entropy: bool = False, entropy_grad: bool = True, chunk: int | None = None
                   ) -> tuple[Tensor, Tensor | None]:
@@ -155,9 +220,14 @@ def head_logprobs(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: 
     rows = chunk or chunk_rows(head.out_features)
     grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
     lps, ents = [], []
+    # the fused chunk: the log-prob's gradient by hand, the entropy (if asked) without one
+    fused = grad and not (entropy and entropy_grad) and _plain_head(head, flat)
     for s in range(0, flat.shape[0], rows):
         args = (head, flat[s : s + rows], flat_labels[s : s + rows], float(temperature), entropy, entropy_grad)
-        if grad:
+        if fused:
+            lp, ent = _HeadLogprob.apply(args[1], args[2], args[3], entropy, head.weight, head.bias)
+            ent = ent if entropy else None
+        elif grad:
             from torch.utils.checkpoint import checkpoint
 
             lp, ent = checkpoint(_chunk, *args, use_reentrant=False)

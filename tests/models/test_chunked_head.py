@@ -120,3 +120,67 @@ def test_needed_positions_only(family, layout):
     # bounded-rows layout, where every position is computed and the others zeroed)
     if chunked_head.head_for(model) is not None and not (arch == "mistral" and layout == "packed"):
         assert rows and max(rows) == int(needed.sum())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_fused_chunk_equals_the_checkpointed_one_bit_for_bit(temperature, bias, dtype, entropy):
+    """The plain head's log-prob with its hand-written backward (:class:`chunked_head._HeadLogprob`) gives the
+    values and the gradients of hidden states, weight and bias of the checkpointed chunk's autograd graph,
+    bit for bit, over several chunks (the weight's gradient accumulated across them), fp32 and bf16 weights;
+    the entropy asked without its gradient (as the RL actor logs it) is the same too."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 997, bias=bias).to(dtype)
+    hidden = torch.randn(45, 32, dtype=dtype)
+    labels = torch.randint(0, 997, (45,))
+    upstream = torch.randn(45)
+
+    def run(fused: bool):
+        head.zero_grad(set_to_none=True)
+        h = hidden.clone().requires_grad_(True)
+        plain = chunked_head._plain_head
+        chunked_head._plain_head = (lambda *a: plain(*a)) if fused else (lambda *a: False)
+        try:
+            lp, ent = chunked_head.head_logprobs(head, h, labels, temperature, chunk=16, entropy=entropy,
+                                                 entropy_grad=False)
+        finally:
+            chunked_head._plain_head = plain
+        (lp * upstream).sum().backward()
+        return lp.detach(), h.grad, head.weight.grad, (head.bias.grad if bias else None), ent
+
+    assert chunked_head._plain_head(head, hidden)
+    got, want = run(True), run(False)
+    if entropy:
+        assert not got[4].requires_grad and torch.equal(got[4], want[4]) and got[4].shape == (45,)
+    else:
+        assert got[4] is None and want[4] is None
+    for a, b in zip(got[:4], want[:4]):
+        if b is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert got[0].dtype == torch.float32 and got[2].abs().sum() > 0
+
+
+def test_fused_chunk_is_kept_off_where_the_head_is_not_plain():
+    """Entropy, autocast, hooks, a subclass of Linear or another dtype than the hidden states' keep the
+    checkpointed chunk (which calls the head as a module)."""
+    head = torch.nn.Linear(8, 50)
+    hidden = torch.randn(4, 8)
+    assert chunked_head._plain_head(head, hidden)
+    assert not chunked_head._plain_head(head, hidden.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not chunked_head._plain_head(head, hidden)
+    handle = head.register_forward_pre_hook(lambda *a: None)
+    assert not chunked_head._plain_head(head, hidden)
+    handle.remove()
+
+    class Sub(torch.nn.Linear):
+        pass
+
+    assert not chunked_head._plain_head(Sub(8, 50), hidden)
+    calls = []
+    head.register_forward_hook(lambda *a: calls.append(1))
+    lp, ent = chunked_head.head_logprobs(head, hidden.requires_grad_(True), torch.tensor([1, 2, 3, 4]), entropy=True)
+    lp.sum().backward()
+    assert ent is not None and calls  # the hooked head was called as a module (forward and recompute)
