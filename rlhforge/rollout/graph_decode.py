@@ -232,7 +232,7 @@ class GraphDecoder:
         b = batch_sampling([params[i] for i in rows], [seeds[i] for i in rows], eng.eos_token_ids, dev)
         temperature, top_p, top_k, keys, max_new, stops = (b[k] for k in ("temperature", "top_p", "top_k", "keys",
                                                                            "max_new", "stops"))
-        flags = dict(all_greedy=b["all_greedy"], any_filter=b["any_filter"],
+        flags = dict(all_greedy=b["all_greedy"], any_filter=b["any_filter"], any_greedy=b["any_greedy"],
                      banned=eng.banned if len(eng.banned) else None)
         ids, attn = ids.to(dev), attn.to(dev)
         steps = int(max(params[i].max_new_tokens for i in rows))

@@ -268,7 +268,7 @@ class HFEngine:
         b = batch_sampling([params[i] for i in rows], [seeds[i] for i in rows], self.eos_token_ids, dev)
         temperature, top_p, top_k, keys, max_new, stops = (b[k] for k in ("temperature", "top_p", "top_k", "keys",
                                                                            "max_new", "stops"))
-        all_greedy, any_filter = b["all_greedy"], b["any_filter"]
+        all_greedy, any_filter, any_greedy = b["all_greedy"], b["any_filter"], b["any_greedy"]
         steps = int(max_new.max())
         out_tokens = torch.zeros((len(rows), steps), dtype=torch.long, device=dev)
         out_logps = torch.zeros((len(rows), steps), dtype=torch.float32, device=dev)
@@ -314,7 +314,8 @@ class HFEngine:
             if route is not None:
                 route.add(t, alive)
             tok, logp = sample_batch(logits, temperature[alive], top_p[alive], top_k[alive], keys[alive], t,
-                                     all_greedy=all_greedy, any_filter=any_filter, banned=banned)
+                                     all_greedy=all_greedy, any_filter=any_filter, any_greedy=any_greedy,
+                                     banned=banned)
             out_tokens[alive, t] = torch.where(active, tok, out_tokens[alive, t])
             out_logps[alive, t] = torch.where(active, logp, out_logps[alive, t])
             lengths[alive] = torch.where(active, t + 1, lengths[alive])

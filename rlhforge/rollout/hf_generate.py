@@ -1,13 +1,15 @@
 """Generation helpers: batched HF ``generate`` (:func:`generate_ids`) and the HF engine's batched sampler.
 
 Sampling for the engine (:func:`sample_batch`) draws every row of a decoding step at once, with
-*counter-based* noise: the uniform noise for row ``b``, vocabulary entry ``v`` at response position
-``t`` is a hash of ``(seed_b, t, v)`` (:func:`counter_uniform`), and the token is the Gumbel-max
-``argmax(logits / T + Gumbel(noise))`` over the top-k / top-p filtered logits, which is an exact
-draw from ``softmax`` of the filtered logits. A request's tokens therefore depend only on its
-prompt, parameters, seed and the weights: not on the other rows of the batch, on the order of the
-rows, or on any global RNG state. The log-prob of each sampled token under
-``log_softmax(logits / T)`` (before filtering; ``T = 1`` when greedy) comes from the same pass.
+*counter-based* randomness: row ``b``'s uniform at response position ``t`` is a hash of ``(seed_b, t)``
+(:func:`counter_uniform`, 46 bits from two 23-bit draws), and the token is the inverse-CDF draw from
+``softmax`` of the top-k / top-p filtered logits: the first token whose cumulative probability (summed in
+float64) exceeds ``u`` times the total, an exact draw from that distribution that reads the probabilities
+twice (exponent and running sum) instead of hashing and transforming noise for every vocabulary entry.
+A request's tokens therefore depend only on its prompt, parameters, seed and the weights: not on the
+other rows of the batch, on the order of the rows, or on any global RNG state. The log-prob of each
+sampled token under ``log_softmax(logits / T)`` (before filtering; ``T = 1`` when greedy) comes from the
+same pass.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["generate_ids", "counter_uniform", "filter_logits_batch", "sample_batch", "seed_keys", "shared_prompts",
-           "left_padded", "batch_sampling"]
+           "left_padded", "batch_sampling", "row_uniform", "inverse_cdf"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -126,8 +128,8 @@ def filter_logits_batch(logits: Tensor, top_p: Tensor, top_k: Tensor, *, any_fil
 
 
 def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor, step: int, *,
-                 all_greedy: bool | None = None, any_filter: bool | None = None, banned: Tensor | None = None
-                 ) -> tuple[Tensor, Tensor]:
+                 all_greedy: bool | None = None, any_filter: bool | None = None, banned: Tensor | None = None,
+                 any_greedy: bool | None = None) -> tuple[Tensor, Tensor]:
     """One token per row and its log-prob, all rows at once.
 
     Args:
@@ -136,8 +138,8 @@ def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
         top_p, top_k: [B] per-row filters (see :func:`filter_logits_batch`); greedy rows ignore them.
         keys: [B] int64 per-request keys (:func:`seed_keys`).
         step: the response position being sampled (0 for the first generated token).
-        all_greedy, any_filter: known once per batch by the decode loop (no per-step host sync);
-            None: found from the tensors.
+        all_greedy, any_filter, any_greedy: known once per batch by the decode loop (no per-step host
+            sync); None: found from the tensors.
         banned: token ids never chosen (greedy or sampled); like a filter, they do not change the
             log-probs (those of the unfiltered distribution).
 
@@ -151,16 +153,36 @@ def sample_batch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
     if banned is not None:
         logits = logits.index_fill(-1, banned, float("-inf"))
         scaled = scaled.index_fill(-1, banned, float("-inf"))
-    tokens = torch.argmax(logits, dim=-1)
     if all_greedy is None:
         all_greedy = bool(greedy.all())
-    if not all_greedy:
+    if all_greedy:
+        tokens = torch.argmax(logits, dim=-1)
+    else:
         filtered = filter_logits_batch(scaled, top_p, top_k, any_filter=any_filter)
-        # -log(-log(u)) and the sum, in place on the fresh noise (the same operations, no [B, V] copies)
-        gumbel = counter_uniform(keys.to(logits.device), step, logits.shape[-1]).log_().neg_().log_().neg_()
-        sampled = torch.argmax(gumbel.add_(filtered), dim=-1)
-        tokens = torch.where(greedy, tokens, sampled)
+        # unfiltered and nothing banned: the probabilities are those of the log-probs already computed
+        probs = logp_all.exp() if filtered is scaled and banned is None else torch.softmax(filtered, dim=-1)
+        tokens = inverse_cdf(probs, row_uniform(keys.to(logits.device), step))
+        if any_greedy is None:
+            any_greedy = bool(greedy.any())
+        if any_greedy:
+            tokens = torch.where(greedy, torch.argmax(logits, dim=-1), tokens)
     return tokens, logp_all.gather(-1, tokens[:, None])[:, 0]
+
+
+def row_uniform(keys: Tensor, step: int) -> Tensor:
+    """[B] float64 uniforms in (0, 1), a pure function of ``(keys[b], step)``: two 23-bit counter draws
+    (:func:`counter_uniform` at entries 0 and 1) make 46 bits, so the inverse CDF resolves probabilities far
+    below float32's 2**-23."""
+    hi, lo = counter_uniform(keys, step, 2).double().unbind(-1)
+    return hi + (lo - 0.5) * (1.0 / 2**23)  # hi's grid (m + 0.5) / 2**23, refined within its own cell
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """[B] the first index whose cumulative sum of ``probs`` [B, V] (float64) exceeds ``u`` [B] times the row's
+    total: a draw from ``probs / total`` for ``u`` uniform in (0, 1). A zero-probability entry is never drawn."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
@@ -177,8 +199,8 @@ def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Te
 def batch_sampling(params: Sequence, seeds: Sequence[int], eos_token_ids: Sequence[int], device) -> dict:
     """The per-row sampling tensors of one decoding batch on ``device``: ``temperature``, ``top_p``, ``top_k``,
     ``keys`` (:func:`seed_keys`), ``max_new`` [B] and ``stops`` [B, S] (each row's stop ids and the eos ids,
-    -1 padded); and ``all_greedy`` / ``any_filter``, decided once per batch (a subset of the rows still
-    samples and filters correctly either way)."""
+    -1 padded); and ``all_greedy`` / ``any_greedy`` / ``any_filter``, decided once per batch (a subset of the
+    rows still samples and filters correctly either way)."""
     stop_sets = [sorted(set(sp.stop_token_ids) | set(eos_token_ids)) for sp in params]
     stops = torch.full((len(params), max(len(s) for s in stop_sets)), -1, dtype=torch.long)
     for r, st in enumerate(stop_sets):
@@ -190,6 +212,7 @@ def batch_sampling(params: Sequence, seeds: Sequence[int], eos_token_ids: Sequen
             "max_new": torch.tensor([sp.max_new_tokens for sp in params], device=device),
             "stops": stops.to(device),
             "all_greedy": all(sp.temperature <= 0 for sp in params),
+            "any_greedy": any(sp.temperature <= 0 for sp in params),
             "any_filter": any(sp.top_p < 1.0 or (sp.top_k or 0) > 0 for sp in params)}
 
 

@@ -1,10 +1,11 @@
-"""The HF engine's batched sampler: counter-based noise, exact Gumbel-max draws, top-k/top-p per row."""
+"""The HF engine's batched sampler: counter-based uniforms, exact inverse-CDF draws, top-k/top-p per row."""
 
 from __future__ import annotations
 
 import torch
 
-from rlhforge.rollout.hf_generate import counter_uniform, filter_logits_batch, sample_batch, seed_keys
+from rlhforge.rollout.hf_generate import (counter_uniform, filter_logits_batch, inverse_cdf, row_uniform,
+                                          sample_batch, seed_keys)
 
 
 def _filter_one(logits, top_p, top_k):
@@ -46,7 +47,7 @@ def test_batched_filter_equals_the_per_row_filter():
         assert torch.equal(out[b], _filter_one(logits[b], float(top_p[b]), int(top_k[b])))
 
 
-def test_gumbel_max_draws_follow_the_filtered_softmax():
+def test_draws_follow_the_filtered_softmax():
     n = 40000
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]]).repeat(n, 1)
     keys = seed_keys(range(n))
@@ -68,3 +69,47 @@ def test_greedy_rows_take_the_argmax():
     assert tok[0] == logits[0].argmax() and tok[2] == logits[2].argmax()
     torch.testing.assert_close(lp[0], torch.log_softmax(logits[0], -1)[tok[0]])
     torch.testing.assert_close(lp[3], torch.log_softmax(logits[3] / 0.7, -1)[tok[3]])
+
+
+def test_inverse_cdf_by_hand():
+    """The first index whose running sum exceeds u x total (hand-worked), zero entries never drawn, an
+    unnormalised row scaled by its total."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25]] * 5 + [[0.0, 2.0, 0.0, 0.0, 2.0]])
+    u = torch.tensor([1e-12, 0.2499, 0.2501, 0.7501, 1 - 1e-12, 0.6], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 4, 4, 4]
+
+
+def test_row_uniforms_are_a_function_of_seed_and_step_with_46_bits():
+    keys = seed_keys([5, 6, 5, 2**64 - 1])
+    u = row_uniform(keys, 3)
+    assert u.dtype == torch.float64 and u[0] == u[2] and u[0] != u[1]
+    assert torch.equal(row_uniform(keys[1:2], 3), u[1:2])  # not the batch
+    assert not torch.equal(row_uniform(keys, 4), u)  # the step
+    big = row_uniform(seed_keys(range(20000)), 0)
+    assert 0 < big.min() and big.max() < 1 and abs(big.mean() - 0.5) < 0.01
+    # the low bits are used: the values are not confined to float32's 23-bit grid of cell centres
+    cells = big * 2**23
+    assert ((cells - cells.floor() - 0.5).abs() > 1e-3).float().mean() > 0.99
+
+
+def test_a_tiny_probability_is_drawn_at_its_rate():
+    """46-bit uniforms resolve a probability far below 2**-23: a token of probability 1e-3 / 2**13 next to a
+    heavy one is drawn when u falls in its sliver, here forced by a key whose u lies there."""
+    eps = 1e-3 / 2**13
+    probs = torch.tensor([[1 - eps, eps]], dtype=torch.float32)
+    u = torch.tensor([1 - eps / 2], dtype=torch.float64)
+    assert inverse_cdf(probs, u).item() == 1 and inverse_cdf(probs, u - eps).item() == 0
+
+
+def test_banned_tokens_are_never_drawn_and_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 40, generator=g)
+    logits[:, 7] = 10.0  # the most likely token, banned
+    keys = seed_keys(range(64))
+    ones = torch.ones(64)
+    tok, lp = sample_batch(logits, ones, ones, torch.full((64,), -1), keys, 2, banned=torch.tensor([7]))
+    assert (tok != 7).all()
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+    one, _ = sample_batch(logits[10:11], ones[:1], ones[:1], torch.full((1,), -1), keys[10:11], 2,
+                          banned=torch.tensor([7]))
+    assert one.item() == tok[10].item()
