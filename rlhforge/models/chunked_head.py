@@ -21,13 +21,14 @@ the full-logits path (:func:`head_for`).
 
 **The log-prob on a plain head** (and the entropy, where it is not differentiated), an ``nn.Linear`` with
 ordinary tensors (no ZeRO-3 or FSDP2 parameters, no hooks on it, no autocast), goes through
-:class:`_HeadLogprob`, which does the same recomputation by hand: the forward keeps the chunk's hidden
-states and its log-sum-exp, the backward recomputes the logits once and turns them into their gradient in
-place, ``g * (onehot - softmax)``, before the two matmuls. The autograd graph of the checkpointed chunk
+:class:`_HeadLogprob`, which writes the backward by hand: the forward keeps the chunk's hidden states, its
+log-sum-exp and, while a call's fit in :data:`SAVED_PROBS_BYTES`, its probabilities (else the backward
+recomputes the logits); the backward turns the probabilities into the logits' gradient,
+``g * (onehot - softmax)``, before the two matmuls. The autograd graph of the checkpointed chunk
 instead builds a zero-filled ``[c, V]`` gradient for the gather, another for the log-sum-exp, adds them and
 divides by the temperature: at a 151,936-token vocabulary those passes over the logits cost about as much
-as the head's matmuls (docs/performance.md). The values and gradients are those of the checkpointed chunk,
-bit for bit (tests/models/test_chunked_head.py).
+as the head's matmuls (docs/performance.md). The log-probs and gradients are those of the checkpointed chunk,
+bit for bit, the entropy equal to float rounding (tests/models/test_chunked_head.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,15 @@ from torch import Tensor, nn
 
 __all__ = ["head_for", "deferred_head", "head_logprobs", "chunk_rows"]
 
-#: elements of one chunk's fp32 logits (16 Mi: 64 MiB; ~110 positions at a 151,936 vocabulary)
-CHUNK_ELEMENTS = 16 << 20
+#: most elements of one chunk's fp32 logits (32 Mi: 128 MiB; ~220 positions at a 151,936 vocabulary). The
+#: backward's weight-gradient matmul has the chunk's positions as its inner dimension: on one CPU core it ran at
+#: 51 GFLOP/s with 110 positions, 74 with 256 and 88 with 512 (docs/performance.md)
+CHUNK_ELEMENTS = 32 << 20
+
+#: the fused chunks (:class:`_HeadLogprob`) of one call keep their fp32 probabilities for the backward, instead
+#: of recomputing the logits there, when all of them take at most this many bytes (512 MiB: ~880 positions at
+#: a 151,936 vocabulary; the recompute is one of the head's four matmuls)
+SAVED_PROBS_BYTES = 512 << 20
 
 
 class _Passthrough(nn.Module):
@@ -96,9 +104,15 @@ def deferred_head(model, enabled: bool = True) -> Iterator[nn.Module | None]:
         setattr(parent, name, head)
 
 
-def chunk_rows(vocab: int, chunk_elements: int | None = None) -> int:
-    """Positions per chunk: ``CHUNK_ELEMENTS`` fp32 logits (at least 16 positions)."""
-    return max(16, (chunk_elements or CHUNK_ELEMENTS) // max(vocab, 1))
+def chunk_rows(vocab: int, chunk_elements: int | None = None, positions: int | None = None) -> int:
+    """Positions per chunk: at most ``CHUNK_ELEMENTS`` fp32 logits (at least 16 positions); with ``positions``
+    (the call's count) the fewest chunks of that bound, made even (two chunks of 171 rather than 220 + 122: a
+    short last chunk runs its matmuls at a lower rate)."""
+    most = max(16, (chunk_elements or CHUNK_ELEMENTS) // max(vocab, 1))
+    if not positions or positions <= most:
+        return most
+    chunks = -(-positions // most)
+    return -(-positions // chunks)
 
 
 def _zero3_frozen(head: nn.Module) -> bool:
@@ -152,38 +166,50 @@ def _chunk(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: float, 
 
 
 class _HeadLogprob(torch.autograd.Function):
-    """``log softmax(hidden @ weight.T + bias) / temperature)[labels]`` for one chunk, recomputing the logits
-    in the backward (module docstring), and with ``entropy`` the distribution's entropy, not differentiated
-    (an empty tensor otherwise). Inputs: hidden ``[c, H]``, labels ``[c]``, weight ``[V, H]``, bias."""
+    """``log softmax(hidden @ weight.T + bias) / temperature)[labels]`` for one chunk (module docstring), and
+    with ``entropy`` the distribution's entropy, not differentiated (an empty tensor otherwise). With
+    ``keep_probs`` the forward keeps the chunk's probabilities for the backward, else the backward recomputes
+    the logits. Inputs: hidden ``[c, H]``, labels ``[c]``, weight ``[V, H]``, bias."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, labels: Tensor, temperature: float, entropy: bool, weight: Tensor,
-                bias: Tensor | None):
+    def forward(ctx, hidden: Tensor, labels: Tensor, temperature: float, entropy: bool, keep_probs: bool,
+                weight: Tensor, bias: Tensor | None):
         z = _scaled_logits(hidden, weight, bias, temperature)
         lse = torch.logsumexp(z, dim=-1)
         logp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
-        ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if entropy else lse.new_empty(0)
+        probs = None
+        if entropy:
+            probs = (z - lse[:, None]).exp_()
+            ent = lse - torch.bmm(probs[:, None, :], z[:, :, None])[:, 0, 0]  # sum(p * z) as one matvec per row
+        else:
+            ent = lse.new_empty(0)
+            if keep_probs:
+                probs = z.sub_(lse[:, None]).exp_()  # the logits' own storage: no second [c, V] buffer
+        del z
         ctx.mark_non_differentiable(ent)
-        ctx.save_for_backward(hidden, labels, weight, bias, lse)
+        ctx.save_for_backward(hidden, labels, weight, bias, lse, probs if keep_probs else None)
         ctx.temperature = temperature
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_entropy: Tensor):
-        hidden, labels, weight, bias, lse = ctx.saved_tensors
+        hidden, labels, weight, bias, lse, probs = ctx.saved_tensors
         temperature = ctx.temperature
         with torch.no_grad():
-            # d logp / d z = onehot(label) - softmax(z): built in the recomputed logits' own storage
-            g = _scaled_logits(hidden, weight, bias, temperature).sub_(lse[:, None]).exp_().mul_(-grad[:, None])
+            # d logp / d z = onehot(label) - softmax(z); recomputed in the logits' own storage where not kept
+            if probs is None:
+                g = _scaled_logits(hidden, weight, bias, temperature).sub_(lse[:, None]).exp_().mul_(-grad[:, None])
+            else:
+                g = probs * -grad[:, None]  # not in place: the saved tensor stays as it was (retain_graph)
             g.scatter_add_(-1, labels[:, None], grad[:, None].to(g.dtype))
             if temperature != 1.0:
                 g.div_(temperature)
             g = g.to(weight.dtype)
             grad_hidden = g.mm(weight) if ctx.needs_input_grad[0] else None
             # contiguous like the weight: accumulating a transposed [V, H] gradient into .grad is a strided pass
-            grad_weight = g.t().mm(hidden) if ctx.needs_input_grad[4] else None
-            grad_bias = g.sum(0) if bias is not None and ctx.needs_input_grad[5] else None
-        return grad_hidden, None, None, None, grad_weight, grad_bias
+            grad_weight = g.t().mm(hidden) if ctx.needs_input_grad[5] else None
+            grad_bias = g.sum(0) if bias is not None and ctx.needs_input_grad[6] else None
+        return grad_hidden, None, None, None, None, grad_weight, grad_bias
 
 
 def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
@@ -217,15 +243,17 @@ def head_logprobs(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: 
         raise ValueError(f"temperature must be > 0 (got {temperature})")
     lead = hidden.shape[:-1]
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
-    rows = chunk or chunk_rows(head.out_features)
+    rows = chunk or chunk_rows(head.out_features, positions=flat.shape[0])
     grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
     lps, ents = [], []
-    # the fused chunk: the log-prob's gradient by hand, the entropy (if asked) without one
+    # the fused chunk: the log-prob's gradient by hand, the entropy (if asked) without one; the probabilities
+    # kept from the forward to the backward when all of this call's fit in SAVED_PROBS_BYTES
     fused = grad and not (entropy and entropy_grad) and _plain_head(head, flat)
+    keep = fused and flat.shape[0] * head.out_features * 4 <= SAVED_PROBS_BYTES
     for s in range(0, flat.shape[0], rows):
         args = (head, flat[s : s + rows], flat_labels[s : s + rows], float(temperature), entropy, entropy_grad)
         if fused:
-            lp, ent = _HeadLogprob.apply(args[1], args[2], args[3], entropy, head.weight, head.bias)
+            lp, ent = _HeadLogprob.apply(args[1], args[2], args[3], entropy, keep, head.weight, head.bias)
             ent = ent if entropy else None
         elif grad:
             from torch.utils.checkpoint import checkpoint
