@@ -251,9 +251,10 @@ def head_logprobs(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: 
     fused = grad and not (entropy and entropy_grad) and _plain_head(head, flat)
     keep = fused and flat.shape[0] * head.out_features * 4 <= SAVED_PROBS_BYTES
     for s in range(0, flat.shape[0], rows):
-        args = (head, flat[s : s + rows], flat_labels[s : s + rows], float(temperature), entropy, entropy_grad)
+        hid, lab = flat[s : s + rows], flat_labels[s : s + rows]
+        args = (head, hid, lab, float(temperature), entropy, entropy_grad)
         if fused:
-            lp, ent = _HeadLogprob.apply(args[1], args[2], args[3], entropy, keep, head.weight, head.bias)
+            lp, ent = _HeadLogprob.apply(hid, lab, float(temperature), entropy, keep, head.weight, head.bias)
             ent = ent if entropy else None
         elif grad:
             from torch.utils.checkpoint import checkpoint

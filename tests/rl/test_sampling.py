@@ -92,9 +92,10 @@ def test_row_uniforms_are_a_function_of_seed_and_step_with_46_bits():
     assert ((cells - cells.floor() - 0.5).abs() > 1e-3).float().mean() > 0.99
 
 
-def test_a_tiny_probability_is_drawn_at_its_rate():
-    """46-bit uniforms resolve a probability far below 2**-23: a token of probability 1e-3 / 2**13 next to a
-    heavy one is drawn when u falls in its sliver, here forced by a key whose u lies there."""
+def test_a_tiny_probability_has_its_own_sliver_of_u():
+    """A token of probability 1e-3 / 2**13 (far below 2**-23, the float32 grid) next to a heavy one is drawn
+    exactly when u falls in its sliver at the top of the running sum, and not just below it: the float64 sum
+    resolves it (the 46-bit uniforms of row_uniform can land there)."""
     eps = 1e-3 / 2**13
     probs = torch.tensor([[1 - eps, eps]], dtype=torch.float32)
     u = torch.tensor([1 - eps / 2], dtype=torch.float64)
