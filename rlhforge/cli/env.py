@@ -1,4 +1,5 @@
-"""Process-wide settings for command-line runs: quiet third-party progress bars and warnings."""
+"""Process-wide settings for command-line runs: quiet third-party progress bars and warnings, the host
+allocator's thresholds."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ def setup_cli_environment() -> None:
     from rlhforge.tracking.quiet import install_filters
 
     install_filters()  # known-harmless messages that repeat every step (rlhforge/tracking/quiet.py)
+    from rlhforge.backend.host_memory import tune_host_allocator
+
+    tune_host_allocator()  # freed blocks up to 32 MiB reused, not page-faulted again (backend/host_memory.py)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         import torch

@@ -166,56 +166,105 @@ def _chunk(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: float, 
 
 
 class _HeadLogprob(torch.autograd.Function):
-    """``log softmax(hidden @ weight.T + bias) / temperature)[labels]`` for one chunk (module docstring), and
-    with ``entropy`` the distribution's entropy, not differentiated (an empty tensor otherwise). With
-    ``keep_probs`` the forward keeps the chunk's probabilities for the backward, else the backward recomputes
-    the logits. Inputs: hidden ``[c, H]``, labels ``[c]``, weight ``[V, H]``, bias."""
+    """``log softmax(hidden @ weight.T + bias) / temperature)[labels]`` for a whole call, ``rows`` positions at a
+    time (module docstring), and with ``entropy`` the distribution's entropy, not differentiated (an empty tensor
+    otherwise). With ``keep_probs`` the forward keeps every chunk's probabilities for the backward, else the
+    backward recomputes the logits. Inputs: hidden ``[N, H]``, labels ``[N]``, weight ``[V, H]``, bias.
+
+    One function for all the chunks, so that the chunks share their ``[rows, V]`` buffers (the logits where they
+    are not kept, the logits' gradient) and the weight's gradient is accumulated in the matmul that makes it
+    (``addmm_``) instead of a ``[V, H]`` gradient per chunk that autograd then adds: at a 151,936-token
+    vocabulary each of those is a 311 MB block the allocator maps afresh and the kernel zeroes, and a pass
+    over it."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, labels: Tensor, temperature: float, entropy: bool, keep_probs: bool,
+    def forward(ctx, hidden: Tensor, labels: Tensor, temperature: float, entropy: bool, keep_probs: bool, rows: int,
                 weight: Tensor, bias: Tensor | None):
-        z = _scaled_logits(hidden, weight, bias, temperature)
-        lse = torch.logsumexp(z, dim=-1)
-        logp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
-        probs = None
-        if entropy:
-            probs = (z - lse[:, None]).exp_()
-            ent = lse - torch.bmm(probs[:, None, :], z[:, :, None])[:, 0, 0]  # sum(p * z) as one matvec per row
-        else:
-            ent = lse.new_empty(0)
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if entropy else logp.new_empty(0)
+        kept, buffers, vocab = [], {}, weight.shape[0]
+        for s in range(0, n, rows):
+            hid, lab = hidden[s : s + rows], labels[s : s + rows]
+            z = _scaled_logits(hid, weight, bias, temperature, out=None if keep_probs else _buffer(buffers, "z", hid, vocab))
+            # torch.logsumexp's own steps (so the same bits), its exp(z - max) in a shared buffer instead of a
+            # new [c, V] tensor, which the entropy reuses
+            top = z.amax(-1, keepdim=True)
+            top.masked_fill_(top.abs() == float("inf"), 0.0)
+            unnorm = torch.sub(z, top, out=_buffer(buffers, "e", hid, vocab)).exp_()
+            total = unnorm.sum(-1)
+            chunk_lse = total.log().add_(top[:, 0])
+            lse[s : s + rows] = chunk_lse
+            logp[s : s + rows] = z.gather(-1, lab[:, None]).squeeze(-1) - chunk_lse
+            if entropy:  # sum(p * z) as one matvec per row
+                ent[s : s + rows] = chunk_lse - torch.bmm(unnorm[:, None, :], z[:, :, None])[:, 0, 0] / total
             if keep_probs:
-                probs = z.sub_(lse[:, None]).exp_()  # the logits' own storage: no second [c, V] buffer
-        del z
+                kept.append(z.sub_(chunk_lse[:, None]).exp_())  # the logits' own storage: no second [c, V] buffer
+            del z, unnorm
         ctx.mark_non_differentiable(ent)
-        ctx.save_for_backward(hidden, labels, weight, bias, lse, probs if keep_probs else None)
-        ctx.temperature = temperature
+        ctx.save_for_backward(hidden, labels, weight, bias, lse, *kept)
+        ctx.temperature, ctx.rows = temperature, rows
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_entropy: Tensor):
-        hidden, labels, weight, bias, lse, probs = ctx.saved_tensors
-        temperature = ctx.temperature
+        hidden, labels, weight, bias, lse, *kept = ctx.saved_tensors
+        temperature, rows = ctx.temperature, ctx.rows
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
+        want_bias = bias is not None and ctx.needs_input_grad[7]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = grad_bias = None
+        buffers, vocab = {}, weight.shape[0]
         with torch.no_grad():
-            # d logp / d z = onehot(label) - softmax(z); recomputed in the logits' own storage where not kept
-            if probs is None:
-                g = _scaled_logits(hidden, weight, bias, temperature).sub_(lse[:, None]).exp_().mul_(-grad[:, None])
-            else:
-                g = probs * -grad[:, None]  # not in place: the saved tensor stays as it was (retain_graph)
-            g.scatter_add_(-1, labels[:, None], grad[:, None].to(g.dtype))
-            if temperature != 1.0:
-                g.div_(temperature)
-            g = g.to(weight.dtype)
-            grad_hidden = g.mm(weight) if ctx.needs_input_grad[0] else None
-            # contiguous like the weight: accumulating a transposed [V, H] gradient into .grad is a strided pass
-            grad_weight = g.t().mm(hidden) if ctx.needs_input_grad[5] else None
-            grad_bias = g.sum(0) if bias is not None and ctx.needs_input_grad[6] else None
-        return grad_hidden, None, None, None, None, grad_weight, grad_bias
+            for i, s in enumerate(range(0, hidden.shape[0], rows)):
+                hid, lab, gr = hidden[s : s + rows], labels[s : s + rows], grad[s : s + rows]
+                # d logp / d z = onehot(label) - softmax(z); recomputed in a shared buffer where not kept
+                g = _buffer(buffers, "g", hid, vocab)
+                if kept:
+                    torch.mul(kept[i], -gr[:, None], out=g)  # the saved tensor stays as it was (retain_graph)
+                else:
+                    _scaled_logits(hid, weight, bias, temperature, out=g).sub_(lse[s : s + rows, None]).exp_()
+                    g.mul_(-gr[:, None])
+                g.scatter_add_(-1, lab[:, None], gr[:, None].to(g.dtype))
+                if temperature != 1.0:
+                    g.div_(temperature)
+                g = g.to(weight.dtype)
+                if want_hidden:
+                    torch.mm(g, weight, out=grad_hidden[s : s + rows])
+                if want_weight:
+                    # contiguous like the weight: accumulating a transposed [V, H] gradient is a strided pass
+                    if grad_weight is None:
+                        grad_weight = g.t().mm(hid)
+                    else:
+                        grad_weight.addmm_(g.t(), hid)
+                if want_bias:
+                    grad_bias = g.sum(0) if grad_bias is None else grad_bias.add_(g.sum(0))
+        return grad_hidden, None, None, None, None, None, grad_weight, grad_bias
 
 
-def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """``linear(hidden, weight, bias)`` in fp32, divided by the temperature (as :func:`_chunk`)."""
-    z = nn.functional.linear(hidden, weight, bias).float()
-    return z / temperature if temperature != 1.0 else z
+def _buffer(buffers: dict, name: str, hidden: Tensor, vocab: int) -> Tensor:
+    """A ``[rows, vocab]`` fp32 buffer shared by the chunks of one call (the first chunk is the largest), sliced
+    to this chunk's rows."""
+    if name not in buffers:
+        buffers[name] = torch.empty(hidden.shape[0], vocab, dtype=torch.float32, device=hidden.device)
+    return buffers[name][: hidden.shape[0]]
+
+
+def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
+                   out: Tensor | None = None) -> Tensor:
+    """``linear(hidden, weight, bias)`` in fp32, divided by the temperature (as :func:`_chunk`); into ``out``
+    (fp32, ``[rows, V]``) where given, with the kernel ``linear`` runs (``mm`` / ``addmm``)."""
+    if out is None:
+        z = nn.functional.linear(hidden, weight, bias).float()
+        return z / temperature if temperature != 1.0 else z
+    if weight.dtype != torch.float32:
+        out.copy_(nn.functional.linear(hidden, weight, bias))
+    elif bias is None:
+        torch.mm(hidden, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden, weight.t(), out=out)
+    return out.div_(temperature) if temperature != 1.0 else out
 
 
 def _plain_head(head: nn.Module, hidden: Tensor) -> bool:
@@ -250,13 +299,14 @@ def head_logprobs(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: 
     # kept from the forward to the backward when all of this call's fit in SAVED_PROBS_BYTES
     fused = grad and not (entropy and entropy_grad) and _plain_head(head, flat)
     keep = fused and flat.shape[0] * head.out_features * 4 <= SAVED_PROBS_BYTES
+    if fused and flat.shape[0]:  # all the chunks in one function (its docstring)
+        lp, ent = _HeadLogprob.apply(flat, flat_labels, float(temperature), entropy, keep, rows, head.weight,
+                                     head.bias)
+        return lp.reshape(lead), (ent.reshape(lead) if entropy else None)
     for s in range(0, flat.shape[0], rows):
         hid, lab = flat[s : s + rows], flat_labels[s : s + rows]
         args = (head, hid, lab, float(temperature), entropy, entropy_grad)
-        if fused:
-            lp, ent = _HeadLogprob.apply(hid, lab, float(temperature), entropy, keep, head.weight, head.bias)
-            ent = ent if entropy else None
-        elif grad:
+        if grad:
             from torch.utils.checkpoint import checkpoint
 
             lp, ent = checkpoint(_chunk, *args, use_reentrant=False)

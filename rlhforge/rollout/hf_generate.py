@@ -177,12 +177,44 @@ def row_uniform(keys: Tensor, step: int) -> Tensor:
     return hi + (lo - 0.5) * (1.0 / 2**23)  # hi's grid (m + 0.5) / 2**23, refined within its own cell
 
 
+#: vocabulary entries per block of :func:`inverse_cdf`'s two-level running sum
+CDF_BLOCK = 128
+
+
 def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     """[B] the first index whose cumulative sum of ``probs`` [B, V] (float64) exceeds ``u`` [B] times the row's
-    total: a draw from ``probs / total`` for ``u`` uniform in (0, 1). A zero-probability entry is never drawn."""
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    total: a draw from ``probs / total`` for ``u`` uniform in (0, 1). A zero-probability entry is never drawn.
+
+    Above ``4 * CDF_BLOCK`` entries the running sum goes in two levels: float64 sums of blocks of
+    :data:`CDF_BLOCK` entries and their running sum find the block, then a float64 running sum inside that
+    block finds the entry. Both levels add the same float32 values in float64, so the draw is the one-level
+    draw up to float64 rounding at the boundaries (a test compares them on many rows); it reads the
+    probabilities once instead of writing and searching a float64 copy of them (16 x 151,936: 20 -> 2 ms)."""
+    rows, vocab = probs.shape
+    if vocab <= 4 * CDF_BLOCK:
+        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+        target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+        return _first_above(cdf, target, probs)
+    full = vocab // CDF_BLOCK * CDF_BLOCK
+    sums = probs[:, :full].reshape(rows, -1, CDF_BLOCK).sum(-1, dtype=torch.float64)
+    if full < vocab:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64)], dim=-1)
+    cum = sums.cumsum(-1)
+    target = u.to(cum.dtype)[:, None] * cum[:, -1:]
+    block = _first_above(cum, target, sums)  # [B], a block of nonzero mass
+    before = torch.where(block > 0, cum.gather(-1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    index = block[:, None] * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [B, CDF_BLOCK]
+    inside = probs.gather(-1, index.clamp(max=vocab - 1)).double().masked_fill_(index >= vocab, 0.0)
+    at = _first_above(before[:, None] + inside.cumsum(-1), target, inside)
+    return block * CDF_BLOCK + at
+
+
+def _first_above(cdf: Tensor, target: Tensor, mass: Tensor) -> Tensor:
+    """[B] the first index where ``cdf`` [B, N] exceeds ``target`` [B, 1]; where float rounding leaves none
+    (``target`` at the very top), the last index of nonzero ``mass``."""
+    found = torch.searchsorted(cdf, target, right=True)[:, 0]
+    last = torch.where(mass > 0, torch.arange(mass.shape[-1], device=mass.device), -1).amax(-1).clamp_(min=0)
+    return torch.minimum(found, last)
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhforge.rollout.hf_generate import (counter_uniform, filter_logits_batch, inverse_cdf, row_uniform,
@@ -100,6 +101,40 @@ def test_a_tiny_probability_has_its_own_sliver_of_u():
     probs = torch.tensor([[1 - eps, eps]], dtype=torch.float32)
     u = torch.tensor([1 - eps / 2], dtype=torch.float64)
     assert inverse_cdf(probs, u).item() == 1 and inverse_cdf(probs, u - eps).item() == 0
+
+
+def _one_level(probs, u):
+    """The inverse CDF as one float64 running sum over the whole row (inverse_cdf's definition)."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
+
+
+@pytest.mark.parametrize("vocab", [513, 1000, 4096, 151936])
+def test_the_two_level_running_sum_draws_what_one_running_sum_draws(vocab):
+    """Above 4 blocks the draw goes through float64 block sums and then one block: on thousands of rows (peaked
+    and flat softmaxes, zeros, a vocabulary that is not a multiple of the block) it picks the token the
+    one-level float64 running sum picks, never a zero-probability one."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 4000 if vocab < 10000 else 64
+    logits = torch.randn(rows, vocab, generator=g) * torch.rand(rows, 1, generator=g) * 12
+    probs = torch.softmax(logits, -1)
+    probs[torch.rand(rows, vocab, generator=g) < 0.3] = 0.0  # filtered-out / banned entries
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    got = inverse_cdf(probs, u)
+    assert torch.equal(got, _one_level(probs, u))
+    assert (probs.gather(-1, got[:, None]) > 0).all()
+
+
+def test_two_level_tiny_sliver_and_top_edge():
+    """In a large vocabulary a token of probability far below 2**-23 is drawn exactly in its sliver of u, and a u
+    at the very top of the row never lands on the zero-probability entries after the last nonzero one."""
+    vocab, eps = 151936, 1e-3 / 2**13
+    probs = torch.zeros(2, vocab)
+    probs[:, 70000], probs[:, 70001] = 1 - eps, eps
+    u = torch.tensor([1 - eps / 2, 1 - 1.5 * eps], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [70001, 70000]
+    top = torch.tensor([1 - 2**-46] * 2, dtype=torch.float64)
+    assert inverse_cdf(probs, top).tolist() == [70001, 70001]
 
 
 def test_banned_tokens_are_never_drawn_and_rows_do_not_depend_on_the_batch():
