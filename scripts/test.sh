@@ -16,7 +16,8 @@ if ! [[ "$workers" =~ ^[0-9]+$ ]] || [ "$workers" -lt 1 ]; then
 fi
 [ "$workers" -gt 1 ] || exec .venv/bin/python -m pytest -q "$@"
 rc_parallel=0; rc_serial=0
-RLHFORGE_TEST_PHASE=parallel .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@" || rc_parallel=$?
+# --no-loadscope-reorder: files start in the collection's order, the longest first (tests/conftest.py)
+RLHFORGE_TEST_PHASE=parallel .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || rc_parallel=$?
 echo "scripts/test.sh: the tests that run alone (tests/conftest.py, SERIAL)"
 RLHFORGE_TEST_PHASE=serial .venv/bin/python -m pytest -q "$@" || rc_serial=$?
 # 5 = no test selected in that phase (a path given that holds only one kind)
