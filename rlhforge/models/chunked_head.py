@@ -21,14 +21,16 @@ the full-logits path (:func:`head_for`).
 
 **The log-prob on a plain head** (and the entropy, where it is not differentiated), an ``nn.Linear`` with
 ordinary tensors (no ZeRO-3 or FSDP2 parameters, no hooks on it, no autocast), goes through
-:class:`_HeadLogprob`, which writes the backward by hand: the forward keeps the chunk's hidden states, its
-log-sum-exp and, while a call's fit in :data:`SAVED_PROBS_BYTES`, its probabilities (else the backward
-recomputes the logits); the backward turns the probabilities into the logits' gradient,
-``g * (onehot - softmax)``, before the two matmuls. The autograd graph of the checkpointed chunk
+:class:`_HeadLogprob`, one autograd function for all the chunks of a call, which writes the backward by hand:
+the forward keeps the hidden states, the log-sum-exps and, while the call's probabilities fit in
+:data:`SAVED_PROBS_BYTES`, the probabilities (else the backward recomputes the logits); the backward turns
+the probabilities into the logits' gradient, ``g * (onehot - softmax)``, before the two matmuls, and
+accumulates the weight's gradient over the chunks in its matmul. The autograd graph of the checkpointed chunk
 instead builds a zero-filled ``[c, V]`` gradient for the gather, another for the log-sum-exp, adds them and
 divides by the temperature: at a 151,936-token vocabulary those passes over the logits cost about as much
-as the head's matmuls (docs/performance.md). The log-probs and gradients are those of the checkpointed chunk,
-bit for bit, the entropy equal to float rounding (tests/models/test_chunked_head.py).
+as the head's matmuls (docs/performance.md). The log-probs and the hidden states' gradient are those of the
+checkpointed chunks bit for bit, the weight's and bias's gradients to the rounding of their sum over chunks
+(bit for bit in one chunk), the entropy to float rounding (tests/models/test_chunked_head.py).
 """
 
 from __future__ import annotations
