@@ -5,8 +5,8 @@ glibc's ``malloc`` serves a block above its ``mmap`` threshold (128 KiB at start
 freed) with a fresh ``mmap`` and returns it on ``free``, and trims the heap's free top above the trim
 threshold. PyTorch's CPU tensors come straight from ``malloc``, so a loop that allocates and frees tensors of a
 few MiB each step (the HF engine's sampler at a 151,936-token vocabulary: 16 rows x 4 tensors of 9.7 MB)
-page-faults every page of each of them again, every step: one sampling step took 34 ms, of which 26 were
-the kernel zeroing pages (7.9 ms with the thresholds below; docs/performance.md, "The host allocator").
+page-faults every page of each of them again, every step (~10,600 pages): one sampling step took 34 ms, and
+8-11 ms with the thresholds below (docs/performance.md, "The real-vocabulary step, continued").
 PyTorch's CPU tuning guides advise another allocator (jemalloc, tcmalloc) for the same reason; these two
 ``mallopt`` settings get most of it with the C library already loaded.
 

@@ -189,7 +189,8 @@ class _HeadLogprob(torch.autograd.Function):
         kept, buffers, vocab = [], {}, weight.shape[0]
         for s in range(0, n, rows):
             hid, lab = hidden[s : s + rows], labels[s : s + rows]
-            z = _scaled_logits(hid, weight, bias, temperature, out=None if keep_probs else _buffer(buffers, "z", hid, vocab))
+            shared = None if keep_probs else _buffer(buffers, "z", hid, vocab)  # kept logits need their own storage
+            z = _scaled_logits(hid, weight, bias, temperature, out=shared)
             # torch.logsumexp's own steps (so the same bits), its exp(z - max) in a shared buffer instead of a
             # new [c, V] tensor, which the entropy reuses
             top = z.amax(-1, keepdim=True)
