@@ -180,10 +180,13 @@ def pytest_runtest_logreport(report):
     """The docs pages' counts of blocks run and only parsed, from each page test's report
     (``record_property`` in tests/docs/test_docs_pages.py): here, in the process that reports (the
     pytest-xdist controller, or the one pytest process), so the summary line counts every worker's pages."""
-    for key, value in getattr(report, "user_properties", ()):
-        if key == "docs_block_counts":
-            from tests.docs.test_docs_pages import COUNTS
+    props = getattr(report, "user_properties", ())
+    if not props:  # only the docs pages' tests record properties
+        return
+    from tests.docs.test_docs_pages import COUNTS, COUNTS_KEY
 
+    for key, value in props:
+        if key == COUNTS_KEY:
             COUNTS[value["page"]] = value["counts"]
 
 

@@ -297,15 +297,15 @@ def head_logprobs(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: 
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
     rows = chunk or chunk_rows(head.out_features, positions=flat.shape[0])
     grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
-    lps, ents = [], []
-    # the fused chunk: the log-prob's gradient by hand, the entropy (if asked) without one; the probabilities
-    # kept from the forward to the backward when all of this call's fit in SAVED_PROBS_BYTES
-    fused = grad and not (entropy and entropy_grad) and _plain_head(head, flat)
-    keep = fused and flat.shape[0] * head.out_features * 4 <= SAVED_PROBS_BYTES
-    if fused and flat.shape[0]:  # all the chunks in one function (its docstring)
+    # the fused head: the log-prob's gradient by hand, the entropy (if asked) without one, all the chunks in one
+    # function; the probabilities kept from the forward to the backward when all of this call's fit in
+    # SAVED_PROBS_BYTES
+    if flat.shape[0] and grad and not (entropy and entropy_grad) and _plain_head(head, flat):
+        keep = flat.shape[0] * head.out_features * 4 <= SAVED_PROBS_BYTES
         lp, ent = _HeadLogprob.apply(flat, flat_labels, float(temperature), entropy, keep, rows, head.weight,
                                      head.bias)
         return lp.reshape(lead), (ent.reshape(lead) if entropy else None)
+    lps, ents = [], []
     for s in range(0, flat.shape[0], rows):
         hid, lab = flat[s : s + rows], flat_labels[s : s + rows]
         args = (head, hid, lab, float(temperature), entropy, entropy_grad)

@@ -33,7 +33,7 @@ def test_page_blocks_run_or_parse(page, pages_home, record_property):
             walk(needed, pages_home / needed.replace("/", "_"))
         shutil.copytree(source, folder / "runs", symlinks=True)
     # through the test report (record_property), so the counts reach the controller under pytest-xdist too
-    # (tests/docs/conftest.py collects them from every report and prints the summary line)
+    # (tests/conftest.py collects them from every report and prints the summary line)
     record_property(COUNTS_KEY, {"page": page, "counts": walk(page, folder)})
 
 
