@@ -14,6 +14,12 @@ workers="${RLHFORGE_TEST_WORKERS:-2}"
 if ! [[ "$workers" =~ ^[0-9]+$ ]] || [ "$workers" -lt 1 ]; then
   echo "scripts/test.sh: RLHFORGE_TEST_WORKERS must be a whole number >= 1 (got '$workers')" >&2; exit 2
 fi
+# DeepSpeed's CPU ops (cpu_adam, shm_comm) are built once here, outside every test's time limit: a fresh venv
+# rebuilds them (minutes under load), and a build killed by a timeout used to leave a lock that hung the next
+# user. A failed build is reported and the tests that need the op fail on it (rlhforge/backend/jit_ops.py).
+if [ "${RLHFORGE_PREBUILD_OPS:-1}" = "1" ]; then
+  .venv/bin/python -m rlhforge.backend.jit_ops 2> >(grep -v "Setting accelerator to CPU" >&2) || true
+fi
 [ "$workers" -gt 1 ] || exec .venv/bin/python -m pytest -q "$@"
 rc_parallel=0; rc_serial=0
 # --no-loadscope-reorder: files start in the collection's order, the longest first (tests/conftest.py)

@@ -11,6 +11,7 @@ from rlhforge.backend.device import (collective_timeout_kwargs, destroy_group_at
                                     one_rank_store, resolve_device, resolve_dtype, single_process_env)
 from rlhforge.backend.optim import build_optimizer, build_scheduler, optimizer_param_groups
 from rlhforge.backend.guards import all_ranks_finite, grads_finite, poison_nonfinite
+from rlhforge.backend.jit_ops import clear_stale_build_locks
 from rlhforge.backend.strategy import all_reduce_tensor
 
 
@@ -95,6 +96,7 @@ class DeepSpeedStrategy:
         if self.world_size == 1:  # one plain process: a one-rank group on a free local port (no MPI discovery)
             single_process_env()
         drop_stale_deepspeed_groups()
+        clear_stale_build_locks()  # a killed build of DeepSpeed's ops would make this wait forever (jit_ops)
         with one_rank_store():  # a one-rank group's store on 127.0.0.1 (torch's would be on every interface)
             deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                        **collective_timeout_kwargs())
