@@ -21,6 +21,13 @@ def setup_cli_environment() -> None:
 
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no "unable to detect" warning
+            from rlhforge.models.cpu_linear import onednn_chosen
+
+            try:
+                onednn_chosen()  # decided once here and exported, so every rank and worker uses the same kernel
+            except ValueError as err:  # an unknown RLHFORGE_CPU_LINEAR
+                print(f"error: {err}", file=sys.stderr)
+                raise SystemExit(2) from None
     except ImportError:  # pragma: no cover
         pass
     if not sys.stderr.isatty() or os.environ.get("CI") or os.environ.get("TQDM_DISABLE"):

@@ -41,6 +41,8 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from rlhforge.models.cpu_linear import CpuLinear, is_plain_linear, onednn_linear
+
 __all__ = ["head_for", "deferred_head", "head_logprobs", "chunk_rows"]
 
 #: most elements of one chunk's fp32 logits (32 Mi: 128 MiB; ~220 positions at a 151,936 vocabulary). The
@@ -48,6 +50,10 @@ __all__ = ["head_for", "deferred_head", "head_logprobs", "chunk_rows"]
 #: 51 GFLOP/s with 110 positions, 74 with 256 and 88 with 512 (docs/performance.md)
 CHUNK_ELEMENTS = 32 << 20
 
+#: a :class:`~rlhforge.models.cpu_linear.CpuLinear` head up to this size runs the fused head's matmuls on oneDNN, as
+#: its forward does. A larger one (a 151,936-token vocabulary) keeps ``mm``/``addmm_`` into shared buffers: oneDNN's
+#: op has no ``out=``, so it would make a new [rows, V] logits tensor and a [V, H] gradient per chunk (not measured)
+ONEDNN_HEAD_BYTES = 32 * 2**20
 #: the fused chunks (:class:`_HeadLogprob`) of one call keep their fp32 probabilities for the backward, instead
 #: of recomputing the logits there, when all of them take at most this many bytes (512 MiB: ~880 positions at
 #: a 151,936 vocabulary; the recompute is one of the head's four matmuls)
@@ -144,7 +150,7 @@ def _call_head(head: nn.Module, hidden: Tensor) -> Tensor:
     the head runs outside the model's forward), and the checkpoint then finds shape ``[0]`` where the
     forward saved ``[V, H]`` (``CheckpointError``). A view keeps the gathered values alive until the
     chunk's backward has used them, as the detached alias of a trainable weight does."""
-    if not (type(head) is nn.Linear and _zero3_frozen(head)):
+    if not (is_plain_linear(head) and _zero3_frozen(head)):
         return head(hidden)
     own = head.__dict__.get("forward")
     head.forward = _linear_on_aliases(head)
@@ -181,7 +187,7 @@ class _HeadLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, labels: Tensor, temperature: float, entropy: bool, keep_probs: bool, rows: int,
-                weight: Tensor, bias: Tensor | None):
+                weight: Tensor, bias: Tensor | None, onednn: bool = False):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
@@ -190,7 +196,7 @@ class _HeadLogprob(torch.autograd.Function):
         for s in range(0, n, rows):
             hid, lab = hidden[s : s + rows], labels[s : s + rows]
             shared = None if keep_probs else _buffer(buffers, "z", hid, vocab)  # kept logits need their own storage
-            z = _scaled_logits(hid, weight, bias, temperature, out=shared)
+            z = _scaled_logits(hid, weight, bias, temperature, out=shared, onednn=onednn)
             # torch.logsumexp's own steps (so the same bits), its exp(z - max) in a shared buffer instead of a
             # new [c, V] tensor, which the entropy reuses
             top = z.amax(-1, keepdim=True)
@@ -207,13 +213,13 @@ class _HeadLogprob(torch.autograd.Function):
             del z, unnorm
         ctx.mark_non_differentiable(ent)
         ctx.save_for_backward(hidden, labels, weight, bias, lse, *kept)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.rows, ctx.onednn = temperature, rows, onednn
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_entropy: Tensor):
         hidden, labels, weight, bias, lse, *kept = ctx.saved_tensors
-        temperature, rows = ctx.temperature, ctx.rows
+        temperature, rows, onednn = ctx.temperature, ctx.rows, ctx.onednn
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
         want_bias = bias is not None and ctx.needs_input_grad[7]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -227,15 +233,20 @@ class _HeadLogprob(torch.autograd.Function):
                 if kept:
                     torch.mul(kept[i], -gr[:, None], out=g)  # the saved tensor stays as it was (retain_graph)
                 else:
-                    _scaled_logits(hid, weight, bias, temperature, out=g).sub_(lse[s : s + rows, None]).exp_()
-                    g.mul_(-gr[:, None])
+                    g = _scaled_logits(hid, weight, bias, temperature, out=g, onednn=onednn)
+                    g.sub_(lse[s : s + rows, None]).exp_().mul_(-gr[:, None])
                 g.scatter_add_(-1, lab[:, None], gr[:, None].to(g.dtype))
                 if temperature != 1.0:
                     g.div_(temperature)
                 g = g.to(weight.dtype)
-                if want_hidden:
+                if want_hidden and onednn:
+                    grad_hidden[s : s + rows] = onednn_linear(g, weight.t(), None)
+                elif want_hidden:
                     torch.mm(g, weight, out=grad_hidden[s : s + rows])
-                if want_weight:
+                if want_weight and onednn:  # a new [V, H] product per chunk: only for heads under ONEDNN_HEAD_BYTES
+                    part = onednn_linear(g.t(), hid.t(), None)
+                    grad_weight = part if grad_weight is None else grad_weight.add_(part)
+                elif want_weight:
                     # contiguous like the weight: accumulating a transposed [V, H] gradient is a strided pass
                     if grad_weight is None:
                         grad_weight = g.t().mm(hid)
@@ -243,7 +254,7 @@ class _HeadLogprob(torch.autograd.Function):
                         grad_weight.addmm_(g.t(), hid)
                 if want_bias:
                     grad_bias = g.sum(0) if grad_bias is None else grad_bias.add_(g.sum(0))
-        return grad_hidden, None, None, None, None, None, grad_weight, grad_bias
+        return grad_hidden, None, None, None, None, None, grad_weight, grad_bias, None
 
 
 def _buffer(buffers: dict, name: str, hidden: Tensor, vocab: int) -> Tensor:
@@ -255,9 +266,14 @@ def _buffer(buffers: dict, name: str, hidden: Tensor, vocab: int) -> Tensor:
 
 
 def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
-                   out: Tensor | None = None) -> Tensor:
+                   out: Tensor | None = None, onednn: bool = False) -> Tensor:
     """``linear(hidden, weight, bias)`` in fp32, divided by the temperature (as :func:`_chunk`); into ``out``
-    (fp32, ``[rows, V]``) where given, with the kernel ``linear`` runs (``mm`` / ``addmm``)."""
+    (fp32, ``[rows, V]``) where given, with the kernel ``linear`` runs (``mm`` / ``addmm``); with ``onednn``
+    (a :class:`~rlhforge.models.cpu_linear.CpuLinear` head) by oneDNN, as that layer's forward, into a new
+    tensor (``out`` unused)."""
+    if onednn:
+        z = onednn_linear(hidden, weight, bias)
+        return z.div_(temperature) if temperature != 1.0 else z
     if out is None:
         z = nn.functional.linear(hidden, weight, bias).float()
         return z / temperature if temperature != 1.0 else z
@@ -274,7 +290,7 @@ def _plain_head(head: nn.Module, hidden: Tensor) -> bool:
     """Whether the chunk's head can go through :class:`_HeadLogprob`: an ``nn.Linear`` whose parameters are
     ordinary tensors (not ZeRO-3's or FSDP2's), without module hooks (anything may hang on a call), outside
     autocast (the recompute would need its dtypes) and in the hidden states' dtype."""
-    if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks:
+    if not is_plain_linear(head) or head._forward_hooks or head._forward_pre_hooks:
         return False
     if torch.is_autocast_enabled(hidden.device.type):
         return False
@@ -302,8 +318,10 @@ def head_logprobs(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: 
     # SAVED_PROBS_BYTES
     if flat.shape[0] and grad and not (entropy and entropy_grad) and _plain_head(head, flat):
         keep = flat.shape[0] * head.out_features * 4 <= SAVED_PROBS_BYTES
+        onednn = (type(head) is CpuLinear and head.weight.dtype == torch.float32
+                  and head.weight.numel() * 4 <= ONEDNN_HEAD_BYTES)
         lp, ent = _HeadLogprob.apply(flat, flat_labels, float(temperature), entropy, keep, rows, head.weight,
-                                     head.bias)
+                                     head.bias, onednn)
         return lp.reshape(lead), (ent.reshape(lead) if entropy else None)
     lps, ents = [], []
     for s in range(0, flat.shape[0], rows):

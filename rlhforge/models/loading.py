@@ -143,4 +143,8 @@ def load_causal_lm(path: str, model_cfg, ds_cfg, device: torch.device, *, auto_c
             model.enable_input_require_grads()
         task = "SEQ_CLS" if "SequenceClassification" in type(model).__name__ else "CAUSAL_LM"
         model = get_peft_model(model, lora_config(ds_cfg.lora, task, model))
+    if device.type == "cpu":  # fp32 linear layers on oneDNN where it is faster than BLAS (models/cpu_linear.py)
+        from rlhforge.models.cpu_linear import use_cpu_linear
+
+        use_cpu_linear(model)
     return model

@@ -88,11 +88,12 @@ class FastDecoder:
 
     @staticmethod
     def _linear(mod):
-        """A plain ``nn.Linear`` as its kernel call (no module dispatch); anything else (LoRA, quantised) as is."""
-        if type(mod) is torch.nn.Linear:
-            w, bias = mod.weight, mod.bias
-            return lambda x: torch._C._nn.linear(x, w, bias)
-        return mod
+        """A plain ``nn.Linear`` as its kernel call (no module dispatch); a
+        :class:`~rlhforge.models.cpu_linear.CpuLinear` on oneDNN, its weight packed for decoding where small
+        (:func:`~rlhforge.models.cpu_linear.decode_linear`); anything else (LoRA, quantised) as is."""
+        from rlhforge.models.cpu_linear import decode_linear
+
+        return decode_linear(mod)
 
     @staticmethod
     def _rms_norm(mod):

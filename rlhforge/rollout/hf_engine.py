@@ -162,6 +162,10 @@ class HFEngine:
         vision = _vision_kwargs(tokenizer)
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model = auto.from_pretrained(path, dtype=dtype).to(device)
+        if torch.device(device).type == "cpu":  # as the trainers' models (rlhforge/models/cpu_linear.py)
+            from rlhforge.models.cpu_linear import use_cpu_linear
+
+            use_cpu_linear(model)
         return cls(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                    batch_size=batch_size, record_routing=record_routing, kv_cache=kv_cache, hf_decode=hf_decode,
                    **vision)

@@ -1,0 +1,206 @@
+"""fp32 linear layers on oneDNN (rlhforge/models/cpu_linear.py): the same values and gradients as ``F.linear`` to
+fp32 rounding, ``F.linear`` itself wherever the kernel does not apply, and one decision per run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlhforge.models import cpu_linear
+from rlhforge.models.cpu_linear import CpuLinear, is_plain_linear, linear, use_cpu_linear
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_CHOICE", True)
+
+
+def _close(a, b, rel=1e-5):
+    scale = b.abs().max().clamp(min=1.0)
+    assert (a - b).abs().max() <= rel * scale, float((a - b).abs().max() / scale)
+
+
+@pytest.mark.parametrize("shape", [(7, 48), (3, 5, 48), (2, 1, 4, 48)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_values_and_gradients_match_f_linear(onednn, shape, with_bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(24, 48, generator=g, requires_grad=True)
+    b = torch.randn(24, generator=g, requires_grad=True) if with_bias else None
+    up = torch.randn(*shape[:-1], 24, generator=g)
+    ours = linear(x, w, b)
+    ref = F.linear(x, w, b)
+    assert ours.shape == ref.shape
+    _close(ours, ref)
+    got = torch.autograd.grad((ours * up).sum(), [x, w] + ([b] if with_bias else []))
+    want = torch.autograd.grad((ref * up).sum(), [x, w] + ([b] if with_bias else []))
+    for a, e in zip(got, want):
+        assert a.shape == e.shape
+        _close(a, e)
+
+
+def test_non_contiguous_input_and_frozen_weight(onednn):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(48, 10, generator=g).t().requires_grad_()  # [10, 48], transposed strides
+    w = torch.randn(16, 48, generator=g)  # frozen: only the input's gradient
+    out = linear(x, w)
+    _close(out, F.linear(x, w))
+    (gx,) = torch.autograd.grad(out.sum(), [x])
+    _close(gx, torch.ones(10, 16) @ w)
+
+
+def test_the_kernel_is_really_another_one(onednn):
+    """Not F.linear in disguise: a product of many terms differs from MKL's in its last bits somewhere (the
+    sums run in another order), while staying within fp32 rounding."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(256, 512, generator=g), torch.randn(512, 512, generator=g)
+    ours, ref = linear(x, w), F.linear(x, w)
+    _close(ours, ref)
+    assert torch.equal(ours, cpu_linear.onednn_linear(x, w, None))
+    assert not torch.equal(ours, ref)
+
+
+def test_falls_back_to_f_linear_bit_for_bit(onednn):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(6, 32, generator=g), torch.randn(8, 32, generator=g)
+    assert torch.equal(linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    assert torch.equal(linear(x.double(), w.double()), F.linear(x.double(), w.double()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    assert linear(x[:0], w).shape == (0, 8)
+
+
+def test_blas_chosen_is_f_linear(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_CHOICE", False)
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(256, 512, generator=g), torch.randn(512, 512, generator=g)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert use_cpu_linear(model) == 0 and type(model[0]) is nn.Linear
+
+
+def test_use_cpu_linear_turns_only_plain_linears(onednn):
+    torch.manual_seed(5)
+
+    class Custom(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), Custom(16, 16), nn.Linear(16, 4, bias=False))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 8)
+    ref = model(x)
+    assert use_cpu_linear(model) == 2
+    assert type(model[0]) is CpuLinear and type(model[2]) is Custom and type(model[3]) is CpuLinear
+    assert all(isinstance(m, nn.Linear) for m in (model[0], model[3])) and is_plain_linear(model[3])
+    assert not is_plain_linear(model[2])
+    assert {k: v for k, v in model.state_dict().items()}.keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    _close(model(x), ref)
+
+
+def _choice_in_child(value: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != cpu_linear.ENV}
+    if value is not None:
+        env[cpu_linear.ENV] = value
+    code = ("import os; from rlhforge.models.cpu_linear import onednn_chosen, ENV; "
+            "print(onednn_chosen(), os.environ.get(ENV))")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_choice_is_made_once_and_exported():
+    forced = _choice_in_child("blas")
+    assert forced.returncode == 0 and forced.stdout.split() == ["False", "blas"]
+    auto = _choice_in_child(None)
+    assert auto.returncode == 0, auto.stderr[-800:]
+    chosen, exported = auto.stdout.split()
+    assert exported == ("onednn" if chosen == "True" else "blas")  # children inherit the same decision
+    bad = _choice_in_child("fastest")
+    assert bad.returncode != 0 and "RLHFORGE_CPU_LINEAR='fastest'" in bad.stderr
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_fused_head_on_onednn_equals_its_checkpointed_chunks_and_blas(onednn, keep, monkeypatch):
+    """A CpuLinear head: the fused head (oneDNN products by hand) against the checkpointed chunks (the layer's
+    own forward under autograd) and against the same head on BLAS, values and every gradient, three chunks."""
+    from rlhforge.models import chunked_head
+
+    monkeypatch.setattr(chunked_head, "SAVED_PROBS_BYTES", 1 << 30 if keep else 0)
+    torch.manual_seed(0)
+    head = nn.Linear(32, 997)
+    hidden, labels, upstream = torch.randn(45, 32), torch.randint(0, 997, (45,)), torch.randn(45)
+
+    def run(layer, fused=True):
+        layer.zero_grad(set_to_none=True)
+        h = hidden.clone().requires_grad_(True)
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(chunked_head, "_plain_head", lambda *a: False)
+            lp, _ = chunked_head.head_logprobs(layer, h, labels, 0.7, chunk=16)
+        (lp * upstream).sum().backward()
+        return lp.detach(), h.grad, layer.weight.grad, layer.bias.grad
+
+    blas = run(head)
+    use_cpu_linear(head)
+    assert type(head) is CpuLinear and chunked_head._plain_head(head, hidden)
+    calls = []
+    real = chunked_head.onednn_linear
+    monkeypatch.setattr(chunked_head, "onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    fused = run(head)
+    # the products by oneDNN: three chunks' logits, then per chunk the hidden states' and the weight's gradients
+    # (with keep=False the logits again)
+    assert len(calls) == (9 if keep else 12)
+    checkpointed = run(head, fused=False)
+    for a, b, c in zip(fused, checkpointed, blas):
+        _close(a, b)
+        _close(a, c)
+
+
+def test_fast_decoder_runs_a_converted_model_as_its_forward(onednn, tmp_path):
+    """The HF engine's decoding step on a CpuLinear model: the same logits as that model's own forward (the
+    same kernel, call for call), and greedy generation gives the tokens the forward picks."""
+    from rlhforge.models.tiny import TinyModelSpec, build_tiny_model
+    from rlhforge.rollout.fast_decode import FastDecoder
+    from rlhforge.rollout.kv_cache import PreallocatedCache
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / "llama", TinyModelSpec(num_key_value_heads=2), seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    assert use_cpu_linear(model) > 0
+    fast = FastDecoder.build(model, "sdpa")
+    assert fast is not None
+    torch.manual_seed(0)
+    ids = torch.randint(5, 200, (3, 9))
+    cache = PreallocatedCache(16)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+        mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+        got = fast.step(ids[:, -1:], torch.full((3, 1), 8), mask, cache)
+        want = model(input_ids=ids).logits[:, -1]
+    _close(got, want, rel=1e-5)
+
+
+def test_packed_decode_linear_follows_in_place_updates(onednn):
+    """The packed copy a decoding step uses is made again when the weight is changed in place (a weight sync's
+    ``load_state_dict``, an optimizer step), so it never decodes with stale weights."""
+    from rlhforge.models.cpu_linear import PackedLinear, decode_linear
+
+    torch.manual_seed(6)
+    layer = nn.Linear(64, 96)
+    use_cpu_linear(layer)
+    call = decode_linear(layer)
+    assert isinstance(call, PackedLinear)
+    x = torch.randn(16, 1, 64)
+    with torch.no_grad():
+        _close(call(x), F.linear(x, layer.weight, layer.bias))
+        layer.load_state_dict({"weight": torch.randn(96, 64), "bias": torch.randn(96)})
+        _close(call(x), F.linear(x, layer.weight, layer.bias))
+        layer.weight.mul_(-2.0)
+        _close(call(x), F.linear(x, layer.weight, layer.bias))
+    big = nn.Linear(8, 8)
+    assert not isinstance(decode_linear(big), PackedLinear)  # a plain nn.Linear keeps F.linear's kernel
