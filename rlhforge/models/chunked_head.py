@@ -50,10 +50,12 @@ __all__ = ["head_for", "deferred_head", "head_logprobs", "chunk_rows"]
 #: 51 GFLOP/s with 110 positions, 74 with 256 and 88 with 512 (docs/performance.md)
 CHUNK_ELEMENTS = 32 << 20
 
-#: a :class:`~rlhforge.models.cpu_linear.CpuLinear` head up to this size runs the fused head's matmuls on oneDNN, as
-#: its forward does. A larger one (a 151,936-token vocabulary) keeps ``mm``/``addmm_`` into shared buffers: oneDNN's
-#: op has no ``out=``, so it would make a new [rows, V] logits tensor and a [V, H] gradient per chunk (not measured)
-ONEDNN_HEAD_BYTES = 32 * 2**20
+#: a :class:`~rlhforge.models.cpu_linear.CpuLinear` head runs the fused head's matmuls on oneDNN, as its forward
+#: does. oneDNN's op has no ``out=``: where the shared buffers or the weight's gradient are larger than this, its
+#: products are made this many bytes at a time (blocks of the vocabulary) and copied or added into them, so
+#: the peak memory stays that of ``mm``/``addmm_`` (at a 151,936 vocabulary a whole [V, H] product per chunk
+#: took peak RSS from 2.3 to 3.0 GB)
+ONEDNN_BLOCK_BYTES = 32 << 20
 #: the fused chunks (:class:`_HeadLogprob`) of one call keep their fp32 probabilities for the backward, instead
 #: of recomputing the logits there, when all of them take at most this many bytes (512 MiB: ~880 positions at
 #: a 151,936 vocabulary; the recompute is one of the head's four matmuls)
@@ -243,9 +245,8 @@ class _HeadLogprob(torch.autograd.Function):
                     grad_hidden[s : s + rows] = onednn_linear(g, weight.t(), None)
                 elif want_hidden:
                     torch.mm(g, weight, out=grad_hidden[s : s + rows])
-                if want_weight and onednn:  # a new [V, H] product per chunk: only for heads under ONEDNN_HEAD_BYTES
-                    part = onednn_linear(g.t(), hid.t(), None)
-                    grad_weight = part if grad_weight is None else grad_weight.add_(part)
+                if want_weight and onednn:
+                    grad_weight = _onednn_grad_weight(grad_weight, g, hid)
                 elif want_weight:
                     # contiguous like the weight: accumulating a transposed [V, H] gradient is a strided pass
                     if grad_weight is None:
@@ -255,6 +256,29 @@ class _HeadLogprob(torch.autograd.Function):
                 if want_bias:
                     grad_bias = g.sum(0) if grad_bias is None else grad_bias.add_(g.sum(0))
         return grad_hidden, None, None, None, None, None, grad_weight, grad_bias, None
+
+
+def _block(budget_bytes: int, row_elements: int) -> int:
+    """Rows of a ``[rows, row_elements]`` fp32 block that fit in ``budget_bytes`` (at least one)."""
+    return max(1, budget_bytes // (4 * max(1, row_elements)))
+
+
+def _onednn_grad_weight(grad_weight: Tensor | None, g: Tensor, hid: Tensor) -> Tensor:
+    """``grad_weight + g.T @ hid`` (``g.T @ hid`` when None) by oneDNN, ``[V, H]``, at most
+    :data:`ONEDNN_BLOCK_BYTES` of product at a time."""
+    vocab, block = g.shape[1], _block(ONEDNN_BLOCK_BYTES, hid.shape[1])
+    if grad_weight is None and vocab <= block:
+        return onednn_linear(g.t(), hid.t(), None)
+    first = grad_weight is None
+    if first:
+        grad_weight = torch.empty(vocab, hid.shape[1], dtype=hid.dtype, device=hid.device)
+    for v in range(0, vocab, block):
+        part = onednn_linear(g[:, v : v + block].t(), hid.t(), None)
+        if first:
+            grad_weight[v : v + block] = part
+        else:
+            grad_weight[v : v + block].add_(part)
+    return grad_weight
 
 
 def _buffer(buffers: dict, name: str, hidden: Tensor, vocab: int) -> Tensor:
@@ -272,7 +296,13 @@ def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperat
     (a :class:`~rlhforge.models.cpu_linear.CpuLinear` head) by oneDNN, as that layer's forward, into a new
     tensor (``out`` unused)."""
     if onednn:
-        z = onednn_linear(hidden, weight, bias)
+        if out is None or out.numel() * 4 <= ONEDNN_BLOCK_BYTES:
+            z = onednn_linear(hidden, weight, bias)
+        else:  # into the shared buffer, a block of the vocabulary at a time
+            z, block = out, _block(ONEDNN_BLOCK_BYTES, hidden.shape[0])
+            for v in range(0, weight.shape[0], block):
+                z[:, v : v + block] = onednn_linear(hidden, weight[v : v + block],
+                                                    None if bias is None else bias[v : v + block])
         return z.div_(temperature) if temperature != 1.0 else z
     if out is None:
         z = nn.functional.linear(hidden, weight, bias).float()
@@ -318,8 +348,7 @@ def head_logprobs(head: nn.Module, hidden: Tensor, labels: Tensor, temperature: 
     # SAVED_PROBS_BYTES
     if flat.shape[0] and grad and not (entropy and entropy_grad) and _plain_head(head, flat):
         keep = flat.shape[0] * head.out_features * 4 <= SAVED_PROBS_BYTES
-        onednn = (type(head) is CpuLinear and head.weight.dtype == torch.float32
-                  and head.weight.numel() * 4 <= ONEDNN_HEAD_BYTES)
+        onednn = type(head) is CpuLinear and head.weight.dtype == torch.float32
         lp, ent = _HeadLogprob.apply(flat, flat_labels, float(temperature), entropy, keep, rows, head.weight,
                                      head.bias, onednn)
         return lp.reshape(lead), (ent.reshape(lead) if entropy else None)

@@ -125,12 +125,17 @@ def test_the_choice_is_made_once_and_exported():
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_fused_head_on_onednn_equals_its_checkpointed_chunks_and_blas(onednn, keep, monkeypatch):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_fused_head_on_onednn_equals_its_checkpointed_chunks_and_blas(onednn, keep, blocked, monkeypatch):
     """A CpuLinear head: the fused head (oneDNN products by hand) against the checkpointed chunks (the layer's
-    own forward under autograd) and against the same head on BLAS, values and every gradient, three chunks."""
+    own forward under autograd) and against the same head on BLAS, values and every gradient, three chunks;
+    ``blocked``: the products made a few vocabulary rows at a time into the shared buffers and the weight's
+    gradient (as a 151,936-token head is), 997 not a multiple of the block."""
     from rlhforge.models import chunked_head
 
     monkeypatch.setattr(chunked_head, "SAVED_PROBS_BYTES", 1 << 30 if keep else 0)
+    if blocked:
+        monkeypatch.setattr(chunked_head, "ONEDNN_BLOCK_BYTES", 4 * 32 * 100)  # 100 weight rows, ~12 logit columns
     torch.manual_seed(0)
     head = nn.Linear(32, 997)
     hidden, labels, upstream = torch.randn(45, 32), torch.randint(0, 997, (45,)), torch.randn(45)
@@ -153,8 +158,13 @@ def test_fused_head_on_onednn_equals_its_checkpointed_chunks_and_blas(onednn, ke
     monkeypatch.setattr(chunked_head, "onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
     fused = run(head)
     # the products by oneDNN: three chunks' logits, then per chunk the hidden states' and the weight's gradients
-    # (with keep=False the logits again)
-    assert len(calls) == (9 if keep else 12)
+    # (with keep=False the logits again). Blocked: the weight's gradient in 10 blocks of 100 rows per chunk; with
+    # keep=False the logits go into the shared buffer in 5 blocks of columns per chunk (200 columns of 16 rows,
+    # 246 of the last 13 fit 12,800 bytes), in the forward and in the backward's recompute
+    if not blocked:
+        assert len(calls) == (9 if keep else 12)
+    else:
+        assert len(calls) == (3 + 3 + 3 * 10 if keep else 3 * 5 + 3 * 5 + 3 + 3 * 10)
     checkpointed = run(head, fused=False)
     for a, b, c in zip(fused, checkpointed, blas):
         _close(a, b)
