@@ -17,8 +17,11 @@ fi
 # DeepSpeed's CPU ops (cpu_adam, shm_comm) are built once here, outside every test's time limit: a fresh venv
 # rebuilds them (minutes under load), and a build killed by a timeout used to leave a lock that hung the next
 # user. A failed build is reported and the tests that need the op fail on it (rlhforge/backend/jit_ops.py).
+# Built into the venv's own folder: torch's build hash includes the venv's paths, so two venvs sharing
+# ~/.cache/torch_extensions would rebuild each other's ops (minutes) every time they alternate.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
 if [ "${RLHFORGE_PREBUILD_OPS:-1}" = "1" ]; then
-  .venv/bin/python -m rlhforge.backend.jit_ops 2> >(grep -v "Setting accelerator to CPU" >&2) || true
+  .venv/bin/python -m rlhforge.backend.jit_ops || true
 fi
 [ "$workers" -gt 1 ] || exec .venv/bin/python -m pytest -q "$@"
 rc_parallel=0; rc_serial=0

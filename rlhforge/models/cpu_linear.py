@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CpuLinear", "use_cpu_linear", "onednn_chosen", "linear", "is_plain_linear", "onednn_linear", "decode_linear", "PackedLinear", "ENV", "MIN_GAIN"]
+__all__ = ["CpuLinear", "use_cpu_linear", "onednn_chosen", "linear", "is_plain_linear", "onednn_linear", "decode_linear", "decode_linears", "PackedLinear", "ENV", "MIN_GAIN"]
 
 ENV = "RLHFORGE_CPU_LINEAR"
 MIN_GAIN = 1.25
@@ -138,35 +138,68 @@ PACK_BYTES = 32 << 20
 
 
 class PackedLinear:
-    """A linear layer's fp32 inference on oneDNN with its weight reordered once into oneDNN's blocked layout (a
-    copy, made again whenever the weight changes in place: ``_version``), for the many small products of
-    decoding: 16 rows x 256 -> 768 ran at 157 GFLOP/s packed, 120 from the plain weight and 83 on MKL (one core,
-    docs/performance.md). Values as :func:`onednn_linear` gives them from the plain weight (oneDNN picks its
-    kernel by shape: for a single row the last bits may differ). Another dtype goes to ``F.linear``."""
+    """The fp32 inference of one or more linear layers that read the same input, on oneDNN, their weights
+    concatenated (one product, the outputs side by side: a layer's q/k/v or gate/up projections) and reordered
+    once into oneDNN's blocked layout. The copy is made again whenever one of the weights changes in place
+    (``_version``: a weight sync's ``load_state_dict``, an optimizer step). For the many small products of
+    decoding: 16 rows x 256 -> 768 ran at 157 GFLOP/s packed, 120 from the plain weight and 83 on MKL (one
+    core), and q/k/v as one product took 40 us against 70 for three. Values as :func:`onednn_linear` gives them
+    from the concatenated weight (oneDNN picks its kernel by shape: for a single row the last bits may differ).
+    Another input dtype goes to ``F.linear`` of the concatenated weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 16):
-        self.weight, self.bias, self.rows = weight, bias, rows
-        self._packed, self._version = None, None
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], rows: int = 16):
+        self.weights, self.biases, self.rows = weights, biases, rows
+        self.sizes = [w.shape[0] for w in weights]
+        self._packed = self._bias = self._plain = None
+        self._versions: list[int] | None = None
+
+    def _refresh(self) -> None:
+        versions = [w._version for w in self.weights] + [b._version for b in self.biases if b is not None]
+        if self._packed is not None and versions == self._versions:
+            return
+        with torch.no_grad():
+            plain = self.weights[0].detach() if len(self.weights) == 1 else torch.cat([w.detach() for w in self.weights])
+            if all(b is None for b in self.biases):
+                self._bias = None
+            else:
+                self._bias = torch.cat([b.detach() if b is not None else plain.new_zeros(n)
+                                        for b, n in zip(self.biases, self.sizes)])
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(plain, self.rows)
+        self._plain, self._versions = plain, versions
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        self._refresh()
         if x.dtype != torch.float32:
-            return F.linear(x, w, self.bias)
-        if self._packed is None or w._version != self._version:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.rows)
-            self._version = w._version
-        out = onednn_linear(x.reshape(-1, x.shape[-1]), self._packed, self.bias)
-        return out.view(*x.shape[:-1], w.shape[0])
+            return F.linear(x, self._plain, self._bias)
+        out = onednn_linear(x.reshape(-1, x.shape[-1]), self._packed, self._bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _packable(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return (type(module) is CpuLinear and w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() > 0
+            and type(w) in (nn.Parameter, torch.Tensor))
+
+
+def decode_linears(modules: list[nn.Module], rows: int = 16) -> PackedLinear | None:
+    """One :class:`PackedLinear` for ``modules`` (linear layers of one input, outputs side by side), when all are
+    :class:`CpuLinear` with fp32 CPU weights of at most :data:`PACK_BYTES` together; else None."""
+    if not modules or not all(_packable(m) for m in modules):
+        return None
+    if sum(m.weight.numel() for m in modules) * 4 > PACK_BYTES:
+        return None
+    return PackedLinear([m.weight for m in modules], [m.bias for m in modules], rows)
 
 
 def decode_linear(module: nn.Module, rows: int = 16):
     """The call a decoding step makes for ``module``: a :class:`PackedLinear` for a :class:`CpuLinear` with an
     fp32 CPU weight of at most :data:`PACK_BYTES`, oneDNN on the plain weight above that, ``F.linear``'s kernel for
     a plain ``nn.Linear``, and anything else (LoRA, quantised) as the module itself."""
+    packed = decode_linears([module], rows)
+    if packed is not None:
+        return packed
     w, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if type(module) is CpuLinear and w.device.type == "cpu" and w.dtype == torch.float32 and w.numel():
-        if w.numel() * 4 <= PACK_BYTES and type(w) in (nn.Parameter, torch.Tensor):
-            return PackedLinear(w, bias, rows)
+    if _packable(module):
         return lambda x: linear(x, w, bias)
     if type(module) in (nn.Linear, CpuLinear):
         return lambda x: torch._C._nn.linear(x, w, bias)

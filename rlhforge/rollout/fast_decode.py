@@ -30,6 +30,8 @@ import sys
 
 import torch
 
+from rlhforge.models.cpu_linear import decode_linear, decode_linears
+
 __all__ = ["FastDecoder", "grouped_decode_attention", "padding_bias"]
 
 _FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -59,7 +61,10 @@ class FastDecoder:
                 mlp=mlp if not plain_mlp else None, act=getattr(mlp, "act_fn", None),
                 gate=self._linear(mlp.gate_proj) if plain_mlp else None,
                 up=self._linear(mlp.up_proj) if plain_mlp else None,
-                down=self._linear(mlp.down_proj) if plain_mlp else None))
+                down=self._linear(mlp.down_proj) if plain_mlp else None,
+                # CpuLinear layers on oneDNN: q/k/v as one product, gate/up as one (rlhforge/models/cpu_linear.py)
+                qkv=decode_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
+                gate_up=decode_linears([mlp.gate_proj, mlp.up_proj]) if plain_mlp else None))
 
     @classmethod
     def build(cls, model, attention: str = "bmm") -> "FastDecoder | None":
@@ -91,8 +96,6 @@ class FastDecoder:
         """A plain ``nn.Linear`` as its kernel call (no module dispatch); a
         :class:`~rlhforge.models.cpu_linear.CpuLinear` on oneDNN, its weight packed for decoding where small
         (:func:`~rlhforge.models.cpu_linear.decode_linear`); anything else (LoRA, quantised) as is."""
-        from rlhforge.models.cpu_linear import decode_linear
-
         return decode_linear(mod)
 
     @staticmethod
@@ -140,13 +143,20 @@ class FastDecoder:
         for i, p in enumerate(self.layers):
             x = p["norm1"](h)
             shape = (b, 1, -1, p["head_dim"])
-            q, k, v = p["q"](x).view(shape), p["k"](x).view(shape), p["v"](x).view(shape)
+            if p["qkv"] is not None:
+                q, k, v = (t.view(shape) for t in p["qkv"](x).split(p["qkv"].sizes, -1))
+            else:
+                q, k, v = p["q"](x).view(shape), p["k"](x).view(shape), p["v"](x).view(shape)
             if p["q_norm"] is not None:
                 q, k = p["q_norm"](q), p["k_norm"](k)
             q, k = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             h = h + p["o"](attend(i, p, q, k, v.transpose(1, 2)).to(h.dtype))
             x = p["norm2"](h)
-            h = h + (p["mlp"](x) if p["mlp"] is not None else p["down"](p["act"](p["gate"](x)) * p["up"](x)))
+            if p["gate_up"] is not None:
+                gate, up = p["gate_up"](x).split(p["gate_up"].sizes, -1)
+                h = h + p["down"](p["act"](gate) * up)
+            else:
+                h = h + (p["mlp"](x) if p["mlp"] is not None else p["down"](p["act"](p["gate"](x)) * p["up"](x)))
         return self.lm_head(self.norm(h)[:, -1:, :])[:, -1, :]
 
 

@@ -214,3 +214,30 @@ def test_packed_decode_linear_follows_in_place_updates(onednn):
         _close(call(x), F.linear(x, layer.weight, layer.bias))
     big = nn.Linear(8, 8)
     assert not isinstance(decode_linear(big), PackedLinear)  # a plain nn.Linear keeps F.linear's kernel
+
+
+def test_fused_decode_linears_side_by_side_with_mixed_biases(onednn):
+    """q/k/v (or gate/up) as one packed product: the outputs side by side equal each layer's own, a missing
+    bias counts as zeros, and an in-place change of any one weight or bias is picked up."""
+    from rlhforge.models.cpu_linear import decode_linears
+
+    torch.manual_seed(7)
+    layers = [nn.Linear(64, 64, bias=True), nn.Linear(64, 32, bias=False), nn.Linear(64, 32, bias=False)]
+    for layer in layers:
+        use_cpu_linear(layer)
+    fused = decode_linears(layers)
+    assert fused is not None and fused.sizes == [64, 32, 32]
+    x = torch.randn(16, 1, 64)
+
+    def check():
+        parts = fused(x).split(fused.sizes, -1)
+        for part, layer in zip(parts, layers):
+            _close(part, F.linear(x, layer.weight, layer.bias))
+
+    with torch.no_grad():
+        check()
+        layers[2].weight.add_(1.0)
+        check()
+        layers[0].bias.mul_(3.0)
+        check()
+    assert decode_linears([layers[0], nn.Linear(64, 8)]) is None  # a plain nn.Linear among them: not fused
