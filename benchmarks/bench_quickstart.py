@@ -124,7 +124,11 @@ def machine_info(threads: int) -> dict:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:
         affinity = None
+    from rlhforge.models.cpu_linear import ENV, onednn_chosen
+
+    onednn_chosen()  # decided (and exported) before the seeds run, so every run used this kernel
     return {"cpu_count": os.cpu_count(), "cpus_usable": affinity, "torch_threads": threads,
+            "cpu_linear": os.environ[ENV],  # the fp32 linear kernel (rlhforge/models/cpu_linear.py)
             "platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor() or None,
             "python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers")}
 
@@ -170,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
     runs_dir = Path(args.runs_dir)
     load_start = load_avg()
+    from rlhforge.models.cpu_linear import onednn_chosen
+
+    onednn_chosen()  # the fp32 linear kernel, decided once here and inherited by every seed's run
     t0 = time.perf_counter()
     results = {seed: run_seed(seed, runs_dir, extra, prefix) for seed in args.seeds}
     elapsed = time.perf_counter() - t0

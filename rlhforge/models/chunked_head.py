@@ -197,7 +197,8 @@ class _HeadLogprob(torch.autograd.Function):
         kept, buffers, vocab = [], {}, weight.shape[0]
         for s in range(0, n, rows):
             hid, lab = hidden[s : s + rows], labels[s : s + rows]
-            shared = None if keep_probs else _buffer(buffers, "z", hid, vocab)  # kept logits need their own storage
+            # kept logits need their own storage; oneDNN makes a new tensor where it fits in one product
+            shared = None if keep_probs or not _shares(onednn, hid, vocab) else _buffer(buffers, "z", hid, vocab)
             z = _scaled_logits(hid, weight, bias, temperature, out=shared, onednn=onednn)
             # torch.logsumexp's own steps (so the same bits), its exp(z - max) in a shared buffer instead of a
             # new [c, V] tensor, which the entropy reuses
@@ -231,11 +232,12 @@ class _HeadLogprob(torch.autograd.Function):
             for i, s in enumerate(range(0, hidden.shape[0], rows)):
                 hid, lab, gr = hidden[s : s + rows], labels[s : s + rows], grad[s : s + rows]
                 # d logp / d z = onehot(label) - softmax(z); recomputed in a shared buffer where not kept
-                g = _buffer(buffers, "g", hid, vocab)
                 if kept:
+                    g = _buffer(buffers, "g", hid, vocab)
                     torch.mul(kept[i], -gr[:, None], out=g)  # the saved tensor stays as it was (retain_graph)
                 else:
-                    g = _scaled_logits(hid, weight, bias, temperature, out=g, onednn=onednn)
+                    shared = _buffer(buffers, "g", hid, vocab) if _shares(onednn, hid, vocab) else None
+                    g = _scaled_logits(hid, weight, bias, temperature, out=shared, onednn=onednn)
                     g.sub_(lse[s : s + rows, None]).exp_().mul_(-gr[:, None])
                 g.scatter_add_(-1, lab[:, None], gr[:, None].to(g.dtype))
                 if temperature != 1.0:
@@ -256,6 +258,12 @@ class _HeadLogprob(torch.autograd.Function):
                 if want_bias:
                     grad_bias = g.sum(0) if grad_bias is None else grad_bias.add_(g.sum(0))
         return grad_hidden, None, None, None, None, None, grad_weight, grad_bias, None
+
+
+def _shares(onednn: bool, hidden: Tensor, vocab: int) -> bool:
+    """Whether a chunk's logits go into a shared buffer: always with ``mm``; with oneDNN only where they are
+    made in blocks (larger than :data:`ONEDNN_BLOCK_BYTES`), else its one product is the chunk's own tensor."""
+    return not onednn or hidden.shape[0] * vocab * 4 > ONEDNN_BLOCK_BYTES
 
 
 def _block(budget_bytes: int, row_elements: int) -> int:
