@@ -31,20 +31,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 
-def _best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def products(repeats: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
+    from rlhforge.models.cpu_linear import best_seconds as _best
     from rlhforge.models.cpu_linear import onednn_linear
 
     rows = []

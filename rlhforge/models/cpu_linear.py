@@ -54,17 +54,18 @@ def _probe_gain(rows: int = 512, cols: int = 512, repeats: int = 6) -> float:
     """How many times faster oneDNN runs a ``[rows, cols] x [cols, cols]`` fp32 product than ``F.linear``."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, cols, generator=g), torch.randn(cols, cols, generator=g)
+    return best_seconds(lambda: F.linear(x, w), repeats) / best_seconds(lambda: onednn_linear(x, w, None), repeats)
 
-    def best(fn) -> float:
+
+def best_seconds(fn, repeats: int) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn`` after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
         fn()
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    return best(lambda: F.linear(x, w)) / best(lambda: onednn_linear(x, w, None))
+        times.append(time.perf_counter() - t)
+    return min(times)
 
 
 def onednn_chosen() -> bool:
