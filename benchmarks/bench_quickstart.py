@@ -124,11 +124,11 @@ def machine_info(threads: int) -> dict:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:
         affinity = None
-    from rlhforge.models.cpu_linear import ENV, onednn_chosen
+    from rlhforge.models.cpu_linear import ENV
 
-    onednn_chosen()  # decided (and exported) before the seeds run, so every run used this kernel
     return {"cpu_count": os.cpu_count(), "cpus_usable": affinity, "torch_threads": threads,
-            "cpu_linear": os.environ[ENV],  # the fp32 linear kernel (rlhforge/models/cpu_linear.py)
+            # the fp32 linear kernel every seed's run inherited (decided in main, rlhforge/models/cpu_linear.py)
+            "cpu_linear": os.environ.get(ENV),
             "platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor() or None,
             "python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers")}
 

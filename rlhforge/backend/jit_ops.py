@@ -55,11 +55,10 @@ def _working_dirs() -> set[Path]:
     return found
 
 
-def stale_build_locks(roots: list[Path] | None = None, min_age_s: float = STALE_AFTER_S,
-                      now: float | None = None) -> list[Path]:
+def stale_build_locks(roots: list[Path] | None = None, min_age_s: float = STALE_AFTER_S) -> list[Path]:
     """The ``lock`` files in the op folders under ``roots`` (one or two levels down) that are older than
     ``min_age_s`` seconds and whose folder no process is working in."""
-    now = time.time() if now is None else now
+    now = time.time()
     locks = []
     for root in roots if roots is not None else extension_roots():
         if root.is_dir():
@@ -97,8 +96,8 @@ def clear_stale_build_locks(roots: list[Path] | None = None, min_age_s: float = 
 
 def prebuild(names: tuple[str, ...] = CPU_OPS) -> dict[str, str]:
     """Build (or load, where already built) DeepSpeed's ops ``names`` after clearing stale locks. Returns each
-    op's outcome: ``"built"`` with the seconds taken, ``"not compatible"``, or the error's first line (an op
-    that fails to build is reported here and again by the run that needs it, never raised)."""
+    op's outcome: ``"built or loaded in N s"``, ``"not compatible"``, or ``"failed: "`` and the error's first line
+    (an op that fails to build is reported here and again by the run that needs it, never raised)."""
     clear_stale_build_locks()
     from deepspeed.accelerator import get_accelerator
 

@@ -2,9 +2,10 @@
 
 PyTorch's CPU build multiplies fp32 matrices with MKL's ``sgemm``. On AMD processors MKL takes its AVX2 code
 path; oneDNN (also inside PyTorch, and what it already uses for bf16) takes AVX-512 where the CPU has it. On
-this project's CI machine (AMD EPYC, AVX-512, one thread) oneDNN ran the training step's shapes at 2.0-2.4x
-MKL's rate (``[1024, 768] x [768, 256]``: 244 against 104 GFLOP/s; the backward's two products 1.5-2.3x) and a
-16-row decoding step's at 1.4x (docs/performance.md, "oneDNN for fp32 linear layers on CPU").
+this project's CI machine (AMD EPYC, AVX-512, one thread) oneDNN ran the forward products of a 1,024-row
+micro-batch at 2.2-2.4x MKL's rate (``[1024, 768] x [768, 256]``: 225 against 94 GFLOP/s), the backward's two
+products at 1.4-2.3x, and a 16-row decoding step's forward products at 1.3-1.9x
+(``benchmarks/results/cpu_linear.json``; docs/performance.md, "oneDNN for fp32 linear layers on CPU").
 
 :class:`CpuLinear` is ``nn.Linear`` with that kernel: its forward and both products of its backward run
 oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op inductor lowers CPU linear layers to), with
@@ -29,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CpuLinear", "use_cpu_linear", "onednn_chosen", "linear", "is_plain_linear", "onednn_linear", "decode_linear", "decode_linears", "PackedLinear", "ENV", "MIN_GAIN"]
+__all__ = ["CpuLinear", "use_cpu_linear", "onednn_chosen", "linear", "is_plain_linear", "onednn_linear",
+           "decode_linear", "decode_linears", "PackedLinear", "best_seconds", "ENV", "MIN_GAIN"]
 
 ENV = "RLHFORGE_CPU_LINEAR"
 MIN_GAIN = 1.25
