@@ -337,16 +337,18 @@ def plan_only(cfg, log=print) -> int:
     import ray
 
     from rlhforge.config.rl_rules import rl_strategy
-    from rlhforge.distributed.launch import init_ray, ray_device
-    from rlhforge.distributed.placement import check_resources, plan_from_config
+    from rlhforge.distributed.launch import init_ray, ray_device, wait_for_resources
+    from rlhforge.distributed.placement import plan_from_config
     from rlhforge.distributed.ray_group import create_placement_groups
     from ray.util.placement_group import remove_placement_group
 
     init_ray()
     device = ray_device(cfg.train.device)
     plan = plan_from_config(cfg, device)
+    # at once when the whole cluster is too small; else up to 30 s for what a run or probe a moment ago in this
+    # process still holds (Ray frees removed groups and finished tasks asynchronously)
+    wait_for_resources(plan)
     available = ray.available_resources()
-    check_resources(plan, available)
     text, memory = report(cfg, plan, available=available, strategy=rl_strategy(cfg))
     if memory is not None and not memory.fits:
         log(text)

@@ -5,6 +5,7 @@ the settings reach child processes through GLIBC_TUNABLES; the user's own settin
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 
@@ -30,30 +31,36 @@ def steps(n, first):
             logits = head(torch.randn(B, 32))
         sample_batch(logits, ones, ones, no_k, keys, step, all_greedy=False, any_filter=False, any_greedy=False)
 steps(3, 0)  # warm-up: the heap grows to the step's size
-start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-steps(8, 3)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / 8)
+faults = []
+for step in range(3, 13):
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    steps(1, step)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+print(*faults)
 """
 
 
-def _faults_per_step(mode: str, **env) -> float:
+def _faults_per_step(mode: str, **env) -> list[int]:
     environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "RLHFORGE_MALLOC")}
     out = subprocess.run([sys.executable, "-c", _STEPS, mode], env={**environ, **env}, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    return float(out.stdout.split()[-1])
+    return [int(n) for n in out.stdout.split()]
 
 
 def test_sampling_steps_stop_page_faulting_with_the_thresholds():
     """One step's logits, log-probs and probabilities are 4 x 9.7 MB (2,400 pages each). glibc's own thresholds
     hand them back and fault them in again every step; with the thresholds set by a call in the process, or by
     GLIBC_TUNABLES in a child's environment (the same two values), a step after the warm-up faults almost no
-    page."""
+    page. The heap's free space may still settle for a few steps (seen: one step in ten, at random, grows the
+    heap by one 9.7 MB block, 2,374 pages), so the check is on the median step and on the ten steps' total."""
     system = _faults_per_step("none", RLHFORGE_MALLOC="system")
     called = _faults_per_step("call")
     inherited = _faults_per_step("none", GLIBC_TUNABLES=host_memory.tunables())
-    assert system > 4000, system  # the premise: glibc's defaults map and unmap these blocks every step
-    assert called < 100 and inherited < 100, (called, inherited)
+    assert statistics.median(system) > 4000, system  # the premise: glibc's defaults map and unmap these blocks
+    for tuned in (called, inherited):
+        assert statistics.median(tuned) < 100, (tuned, system)
+        assert sum(tuned) < sum(system) / 4, (tuned, system)
 
 
 def test_the_users_settings_and_the_opt_out_are_left_alone():

@@ -232,6 +232,28 @@ def test_plan_only_plans_the_grpo_variant_under_zero3_with_offload(gpu8_cluster,
     assert f"params {_gib(ref.params)} = " in _row(out, "ref")
 
 
+def test_plan_only_waits_for_what_a_moment_ago_still_held(gpu8_cluster, llama8b, capsys):
+    """Ray hands back a finished task's (or a removed group's) resources asynchronously: right after
+    ``ray.get`` of a task that held GPU, ``available_resources`` still reads them as taken (seen: ~0.1 s; the
+    CI saw a plan refused for 7.99 free GPUs after the memory probe of the command before it). A task that
+    holds one GPU for 2 s while plan_only starts: the plan waits for it, and places all 8 bundles."""
+    import time
+
+    @gpu8_cluster.remote(num_gpus=1, num_cpus=0)
+    def hold(seconds):
+        time.sleep(seconds)
+
+    held = hold.remote(2.0)
+    deadline = time.monotonic() + 60
+    while gpu8_cluster.available_resources().get("GPU", 0) > 7 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gpu8_cluster.available_resources().get("GPU", 0) <= 7  # the task holds its GPU now
+    start = time.monotonic()
+    assert rl_main([*_seed_argv(llama8b), "--train.gpu_memory_gib", "131"]) == 0
+    assert "placement plan: 8 GPU bundle(s) in 1 placement group(s)" in capsys.readouterr().out
+    assert gpu8_cluster.get(held, timeout=1) is None and time.monotonic() - start < 30
+
+
 def test_plan_only_refuses_an_over_full_plan_with_the_arithmetic(gpu8_cluster, llama8b, capsys):
     line = refused_line(rl_main, _seed_argv(llama8b, colocate=False), capsys)
     assert ("4 engines x TP 2 = 8 GPUs plus actor 8 + ref 8 + critic 8 + reward 8 without colocation = 40; "
