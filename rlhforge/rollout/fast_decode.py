@@ -32,7 +32,7 @@ import torch
 
 from rlhforge.models.cpu_linear import decode_linear, decode_linears
 
-__all__ = ["FastDecoder", "grouped_decode_attention", "padding_bias"]
+__all__ = ["FastDecoder", "grouped_decode_attention", "padding_bias", "rope_tables", "rotate_pairs"]
 
 _FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -48,6 +48,7 @@ class FastDecoder:
         self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
         self.norm, self.lm_head = self._rms_norm(inner.norm), self._linear(model.lm_head)
         self.rope_fn = rope_fn
+        self.joint_rope = False  # the family's rotation equals rotate_pairs (build checks it): one pass over q and k
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -89,7 +90,9 @@ class FastDecoder:
         rope_fn = getattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb", None)
         if rope_fn is None:
             return None
-        return cls(model, rope_fn, attention)
+        decoder = cls(model, rope_fn, attention)
+        decoder.joint_rope = _rope_matches(rope_fn, inner.layers[0].self_attn.head_dim, model.dtype)
+        return decoder
 
     @staticmethod
     def _linear(mod):
@@ -139,25 +142,75 @@ class FastDecoder:
         static buffer."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, position_ids)
+        tables = rope_tables(cos, sin) if self.joint_rope else None
         b = input_ids.shape[0]
         for i, p in enumerate(self.layers):
             x = p["norm1"](h)
             shape = (b, 1, -1, p["head_dim"])
+            if p["qkv"] is not None and tables is not None and p["q_norm"] is None:
+                # q and k rotated in one pass over their side-by-side columns of the fused product
+                qkv = p["qkv"](x)
+                nq, nk, _ = p["qkv"].sizes
+                qk = rotate_pairs(qkv[..., :nq + nk].view(shape).transpose(1, 2), *tables)
+                q, k = qk[:, :nq // p["head_dim"]], qk[:, nq // p["head_dim"]:]
+                v = qkv[..., nq + nk:].view(shape)
+                h = h + p["o"](attend(i, p, q, k, v.transpose(1, 2)).to(h.dtype))
+                h = self._mlp(p, h)
+                continue
             if p["qkv"] is not None:
                 q, k, v = (t.view(shape) for t in p["qkv"](x).split(p["qkv"].sizes, -1))
             else:
                 q, k, v = p["q"](x).view(shape), p["k"](x).view(shape), p["v"](x).view(shape)
             if p["q_norm"] is not None:
                 q, k = p["q_norm"](q), p["k_norm"](k)
-            q, k = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            h = h + p["o"](attend(i, p, q, k, v.transpose(1, 2)).to(h.dtype))
-            x = p["norm2"](h)
-            if p["gate_up"] is not None:
-                gate, up = p["gate_up"](x).split(p["gate_up"].sizes, -1)
-                h = h + p["down"](p["act"](gate) * up)
+            if tables is not None:
+                q, k = rotate_pairs(q.transpose(1, 2), *tables), rotate_pairs(k.transpose(1, 2), *tables)
             else:
-                h = h + (p["mlp"](x) if p["mlp"] is not None else p["down"](p["act"](p["gate"](x)) * p["up"](x)))
+                q, k = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            h = h + p["o"](attend(i, p, q, k, v.transpose(1, 2)).to(h.dtype))
+            h = self._mlp(p, h)
         return self.lm_head(self.norm(h)[:, -1:, :])[:, -1, :]
+
+    @staticmethod
+    def _mlp(p: dict, h: torch.Tensor) -> torch.Tensor:
+        """The layer's second half: ``h + mlp(norm2(h))``."""
+        x = p["norm2"](h)
+        if p["gate_up"] is not None:
+            gate, up = p["gate_up"](x).split(p["gate_up"].sizes, -1)
+            return h + p["down"](p["act"](gate) * up)
+        return h + (p["mlp"](x) if p["mlp"] is not None else p["down"](p["act"](p["gate"](x)) * p["up"](x)))
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One step's rotary tables for :func:`rotate_pairs`, made once for all layers: ``cos`` [B, 1, 1, D] and
+    ``sin`` with its first half negated (from the rotary embedding's [B, 1, D])."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], -1), half
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, half: int) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` (Llama's ``apply_rotary_pos_emb``) in four ops instead of
+    seven, bit for bit: ``rotate_half(x) * sin`` is ``cat(-x2, x1) * sin``, and ``(-a) * b == a * (-b)`` exactly in
+    IEEE arithmetic, so it is ``roll(x, half) * cat(-sin1, sin2)``; the products and the sum are the same ops on
+    the same values."""
+    return x * cos + x.roll(half, -1) * signed_sin
+
+
+def _rope_matches(rope_fn, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the model family's ``apply_rotary_pos_emb`` gives :func:`rotate_pairs`' values bit for bit (checked
+    on random values once per decoder; a family with another rotation keeps its own function)."""
+    if head_dim % 2:
+        return False
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 1, head_dim, generator=g).to(dtype) for _ in range(2))
+    cos, sin = (torch.randn(2, 1, head_dim, generator=g).to(dtype) for _ in range(2))
+    try:
+        want = rope_fn(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - another signature: keep the family's function
+        return False
+    tables = rope_tables(cos, sin)
+    return all(torch.equal(w, rotate_pairs(x, *tables)) for w, x in zip(want, (q, k)))
 
 
 def padding_bias(mask: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:

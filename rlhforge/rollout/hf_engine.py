@@ -251,7 +251,7 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_batch(self, prompts, params: Sequence[SamplingParams], vision=None) -> list[GenerationOutput]:
-        from rlhforge.rollout.hf_generate import batch_sampling, left_padded, sample_batch
+        from rlhforge.rollout.hf_generate import batch_sampling, left_padded, row_uniforms, sample_batch
 
         n = len(prompts)
         if any(len(p) == 0 for p in prompts):
@@ -274,6 +274,7 @@ class HFEngine:
                                                                            "max_new", "stops"))
         all_greedy, any_filter, any_greedy = b["all_greedy"], b["any_filter"], b["any_greedy"]
         steps = int(max_new.max())
+        uniforms = None if all_greedy else row_uniforms(keys, steps)  # every step's draws at once: [B, steps]
         out_tokens = torch.zeros((len(rows), steps), dtype=torch.long, device=dev)
         out_logps = torch.zeros((len(rows), steps), dtype=torch.float32, device=dev)
         lengths = torch.zeros(len(rows), dtype=torch.long, device=dev)
@@ -319,7 +320,7 @@ class HFEngine:
                 route.add(t, alive)
             tok, logp = sample_batch(logits, temperature[alive], top_p[alive], top_k[alive], keys[alive], t,
                                      all_greedy=all_greedy, any_filter=any_filter, any_greedy=any_greedy,
-                                     banned=banned)
+                                     banned=banned, uniforms=None if uniforms is None else uniforms[alive, t])
             out_tokens[alive, t] = torch.where(active, tok, out_tokens[alive, t])
             out_logps[alive, t] = torch.where(active, logp, out_logps[alive, t])
             lengths[alive] = torch.where(active, t + 1, lengths[alive])

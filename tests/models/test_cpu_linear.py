@@ -195,6 +195,58 @@ def test_fast_decoder_runs_a_converted_model_as_its_forward(onednn, tmp_path):
     _close(got, want, rel=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fast_decoder_rotates_q_and_k_as_the_family_does_bit_for_bit(onednn, tmp_path, arch):
+    """The decoding step rotates q and k with ``rotate_pairs`` (Llama, Qwen2: in one pass over the fused product's
+    q and k columns; Qwen3, whose q/k norms come first: one call each): the logits are bit for bit those of the
+    same step with the family's own ``apply_rotary_pos_emb``, the packed products being the same calls."""
+    from rlhforge.models.tiny import TinyModelSpec, build_tiny_model
+    from rlhforge.rollout.fast_decode import FastDecoder
+    from rlhforge.rollout.kv_cache import PreallocatedCache
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path / arch, TinyModelSpec(num_key_value_heads=2), seed=0, arch=arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    assert use_cpu_linear(model) > 0
+    fast = FastDecoder.build(model)
+    assert fast is not None and fast.joint_rope and fast.layers[0]["qkv"] is not None
+    assert (fast.layers[0]["q_norm"] is None) == (arch != "qwen3")
+    torch.manual_seed(0)
+    ids = torch.randint(5, 200, (3, 9))
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., :2] = False  # a left-padded row
+    logits = []
+    for joint in (True, False):
+        fast.joint_rope = joint
+        cache = PreallocatedCache(16)
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+            logits.append(fast.step(ids[:, -1:], torch.full((3, 1), 8), mask, cache))
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_rotate_pairs_is_transformers_rotation_and_others_keep_their_own():
+    from rlhforge.rollout.fast_decode import _rope_matches, rope_tables, rotate_pairs
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = torch.randn(4, 8, 1, 64, generator=g).to(dtype), torch.randn(4, 2, 1, 64, generator=g).to(dtype)
+        cos, sin = torch.randn(4, 1, 64, generator=g).to(dtype), torch.randn(4, 1, 64, generator=g).to(dtype)
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+        tables = rope_tables(cos, sin)
+        assert torch.equal(rotate_pairs(q, *tables), want_q) and torch.equal(rotate_pairs(k, *tables), want_k)
+        assert _rope_matches(apply_rotary_pos_emb, 64, dtype)
+
+    def interleaved(q, k, cos, sin):  # GPT-J's pairs (0, 1), (2, 3), ...: another rotation
+        def rot(x):
+            return torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
+        return q * cos.unsqueeze(1) + rot(q) * sin.unsqueeze(1), k * cos.unsqueeze(1) + rot(k) * sin.unsqueeze(1)
+
+    assert not _rope_matches(interleaved, 64, torch.float32) and not _rope_matches(apply_rotary_pos_emb, 63,
+                                                                                   torch.float32)
+
+
 def test_packed_decode_linear_follows_in_place_updates(onednn):
     """The packed copy a decoding step uses is made again when the weight is changed in place (a weight sync's
     ``load_state_dict``, an optimizer step), so it never decodes with stale weights."""

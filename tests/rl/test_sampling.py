@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhforge.rollout.hf_generate import (counter_uniform, filter_logits_batch, inverse_cdf, row_uniform,
-                                          sample_batch, seed_keys)
+from rlhforge.rollout.hf_generate import (CDF_BLOCK, ONE_LEVEL_MAX, counter_uniform, filter_logits_batch,
+                                          inverse_cdf, row_uniform, row_uniforms, sample_batch, seed_keys)
 
 
 def _filter_one(logits, top_p, top_k):
@@ -93,6 +93,32 @@ def test_row_uniforms_are_a_function_of_seed_and_step_with_46_bits():
     assert ((cells - cells.floor() - 0.5).abs() > 1e-3).float().mean() > 0.99
 
 
+def test_every_steps_uniforms_at_once_are_each_steps_and_sample_the_same():
+    """The decode loop makes all steps' uniforms in one pass (row_uniforms): column t is row_uniform(keys, t)
+    bit for bit, for 64-bit seeds too, and sample_batch given that column draws what it draws by itself."""
+    keys = seed_keys([0, 1, 7, 2**63 + 5, 2**64 - 1, 123456789012345])
+    table = row_uniforms(keys, 300)
+    assert table.shape == (6, 300) and table.dtype == torch.float64
+    for t in range(300):
+        assert torch.equal(table[:, t], row_uniform(keys, t)), t
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    ones, no_k = torch.ones(6), torch.full((6,), -1)
+    for t in (0, 17, 299):
+        alone = sample_batch(logits, ones, ones, no_k, keys, t)
+        given = sample_batch(logits, ones, ones, no_k, keys, t, uniforms=table[:, t])
+        assert torch.equal(alone[0], given[0]) and torch.equal(alone[1], given[1])
+
+
+def test_one_level_up_to_its_bound():
+    """Vocabularies up to ONE_LEVEL_MAX draw with the single float64 running sum (the definition), above it with
+    the two levels; the bound sits where the two-level sum became the faster one on this machine (~3,000)."""
+    assert 1024 <= ONE_LEVEL_MAX <= 3000 and ONE_LEVEL_MAX % CDF_BLOCK == 0
+    g = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(500, ONE_LEVEL_MAX, generator=g) * 4, -1)
+    u = torch.rand(500, generator=g, dtype=torch.float64)
+    assert torch.equal(inverse_cdf(probs, u), _one_level(probs, u))
+
+
 def test_a_tiny_probability_has_its_own_sliver_of_u():
     """A token of probability 1e-3 / 2**13 (far below 2**-23, the float32 grid) next to a heavy one is drawn
     exactly when u falls in its sliver at the top of the running sum, and not just below it: the float64 sum
@@ -109,9 +135,9 @@ def _one_level(probs, u):
     return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
 
 
-@pytest.mark.parametrize("vocab", [513, 1000, 4096, 151936])
+@pytest.mark.parametrize("vocab", [ONE_LEVEL_MAX + 1, 3001, 4096, 151936])
 def test_the_two_level_running_sum_draws_what_one_running_sum_draws(vocab):
-    """Above 4 blocks the draw goes through float64 block sums and then one block: on thousands of rows (peaked
+    """Above ONE_LEVEL_MAX entries the draw goes through float64 block sums and then one block: on thousands of rows (peaked
     and flat softmaxes, zeros, a vocabulary that is not a multiple of the block) it picks the token the
     one-level float64 running sum picks, never a zero-probability one."""
     g = torch.Generator().manual_seed(vocab)
