@@ -145,31 +145,33 @@ class FastDecoder:
         tables = rope_tables(cos, sin) if self.joint_rope else None
         b = input_ids.shape[0]
         for i, p in enumerate(self.layers):
-            x = p["norm1"](h)
-            shape = (b, 1, -1, p["head_dim"])
-            if p["qkv"] is not None and tables is not None and p["q_norm"] is None:
-                # q and k rotated in one pass over their side-by-side columns of the fused product
-                qkv = p["qkv"](x)
-                nq, nk, _ = p["qkv"].sizes
-                qk = rotate_pairs(qkv[..., :nq + nk].view(shape).transpose(1, 2), *tables)
-                q, k = qk[:, :nq // p["head_dim"]], qk[:, nq // p["head_dim"]:]
-                v = qkv[..., nq + nk:].view(shape)
-                h = h + p["o"](attend(i, p, q, k, v.transpose(1, 2)).to(h.dtype))
-                h = self._mlp(p, h)
-                continue
-            if p["qkv"] is not None:
-                q, k, v = (t.view(shape) for t in p["qkv"](x).split(p["qkv"].sizes, -1))
-            else:
-                q, k, v = p["q"](x).view(shape), p["k"](x).view(shape), p["v"](x).view(shape)
-            if p["q_norm"] is not None:
-                q, k = p["q_norm"](q), p["k_norm"](k)
-            if tables is not None:
-                q, k = rotate_pairs(q.transpose(1, 2), *tables), rotate_pairs(k.transpose(1, 2), *tables)
-            else:
-                q, k = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            h = h + p["o"](attend(i, p, q, k, v.transpose(1, 2)).to(h.dtype))
+            q, k, v = self._attention_inputs(p, p["norm1"](h), b, cos, sin, tables)
+            h = h + p["o"](attend(i, p, q, k, v).to(h.dtype))
             h = self._mlp(p, h)
         return self.lm_head(self.norm(h)[:, -1:, :])[:, -1, :]
+
+    def _attention_inputs(self, p: dict, x: torch.Tensor, b: int, cos: torch.Tensor, sin: torch.Tensor,
+                          tables: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's q [B, H, 1, D] and k [B, KVH, 1, D], rotated, and v [B, KVH, 1, D] from its normed input."""
+        shape = (b, 1, -1, p["head_dim"])
+        if p["qkv"] is not None and tables is not None and p["q_norm"] is None:
+            # q and k rotated in one pass over their side-by-side columns of the fused product
+            qkv = p["qkv"](x)
+            nq, nk, _ = p["qkv"].sizes
+            qk = rotate_pairs(qkv[..., :nq + nk].view(shape).transpose(1, 2), *tables)
+            heads = nq // p["head_dim"]
+            return qk[:, :heads], qk[:, heads:], qkv[..., nq + nk:].view(shape).transpose(1, 2)
+        if p["qkv"] is not None:
+            q, k, v = (t.view(shape) for t in p["qkv"](x).split(p["qkv"].sizes, -1))
+        else:
+            q, k, v = p["q"](x).view(shape), p["k"](x).view(shape), p["v"](x).view(shape)
+        if p["q_norm"] is not None:
+            q, k = p["q_norm"](q), p["k_norm"](k)
+        if tables is not None:
+            q, k = rotate_pairs(q.transpose(1, 2), *tables), rotate_pairs(k.transpose(1, 2), *tables)
+        else:
+            q, k = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
 
     @staticmethod
     def _mlp(p: dict, h: torch.Tensor) -> torch.Tensor:

@@ -85,11 +85,21 @@ def counter_uniform(keys: Tensor, step: int, vocab: int) -> Tensor:
     The ``[B, V]`` grid is hashed in int32 with the bits of the int64 form (:func:`_counter_uniform_int64`,
     which a test holds it to, bit for bit): at a 151,936-token vocabulary and 16 rows the int64 form was
     most of a sampling step (36 ms, against 53 ms for the lm_head's matmul)."""
-    k = _mix32(keys ^ _mul32(torch.full_like(keys, int(step) & _MASK32), 0x9E3779B9))  # [B]: (seed, step)
-    key = (vocab, str(keys.device))
+    return _uniform_grid(_step_keys(keys, torch.full_like(keys, int(step) & _MASK32)), vocab)
+
+
+def _step_keys(keys: Tensor, steps: Tensor) -> Tensor:
+    """The (seed, step) hashes of ``keys`` and ``steps`` (int64 tensors of 32-bit values, broadcast)."""
+    return _mix32(keys ^ _mul32(steps, 0x9E3779B9))
+
+
+def _uniform_grid(k: Tensor, vocab: int) -> Tensor:
+    """[..., V] float32 uniforms in (0, 1) from the (seed, step) hashes ``k`` [...]: entry ``v`` hashes ``k``
+    with ``v``'s own hash (a bijection of ``v`` for each ``k``)."""
+    key = (vocab, str(k.device))
     if key not in _VOCAB_HASH32:
-        _VOCAB_HASH32[key] = _as_int32(_vocab_hash(vocab, keys.device))
-    h = _mix32_inplace(torch.bitwise_xor(_as_int32(k)[:, None], _VOCAB_HASH32[key][None, :]))  # bijective in v
+        _VOCAB_HASH32[key] = _as_int32(_vocab_hash(vocab, k.device))
+    h = _mix32_inplace(torch.bitwise_xor(_as_int32(k)[..., None], _VOCAB_HASH32[key]))
     # 23 bits: (m + 0.5) / 2**23 is exact in float32, so the noise never reaches 0 or 1
     return (h.bitwise_right_shift_(9).bitwise_and_(0x7FFFFF).float() + 0.5) * (1.0 / 2**23)
 
@@ -176,20 +186,19 @@ def row_uniform(keys: Tensor, step: int) -> Tensor:
     """[B] float64 uniforms in (0, 1), a pure function of ``(keys[b], step)``: two 23-bit counter draws
     (:func:`counter_uniform` at entries 0 and 1) make 46 bits, so the inverse CDF resolves probabilities far
     below float32's 2**-23."""
-    hi, lo = counter_uniform(keys, step, 2).double().unbind(-1)
-    return hi + (lo - 0.5) * (1.0 / 2**23)  # hi's grid (m + 0.5) / 2**23, refined within its own cell
+    return _refined(counter_uniform(keys, step, 2))
 
 
 def row_uniforms(keys: Tensor, steps: int) -> Tensor:
     """[B, steps] float64: column ``t`` is ``row_uniform(keys, t)``, bit for bit (the same integer hash and the
     same float arithmetic, elementwise), made in one pass instead of ~15 small ops at every decoding step."""
     t = torch.arange(steps, dtype=torch.long, device=keys.device)
-    k = _mix32(keys[:, None] ^ _mul32(t & _MASK32, 0x9E3779B9)[None, :])  # [B, T]: (seed, step)
-    key = (2, str(keys.device))
-    if key not in _VOCAB_HASH32:
-        _VOCAB_HASH32[key] = _as_int32(_vocab_hash(2, keys.device))
-    h = _mix32_inplace(torch.bitwise_xor(_as_int32(k)[..., None], _VOCAB_HASH32[key]))  # [B, T, 2]
-    draws = (h.bitwise_right_shift_(9).bitwise_and_(0x7FFFFF).float() + 0.5) * (1.0 / 2**23)
+    return _refined(_uniform_grid(_step_keys(keys[:, None], t[None, :]), 2))
+
+
+def _refined(draws: Tensor) -> Tensor:
+    """[...] float64 from two float32 draws [..., 2]: the first's grid (m + 0.5) / 2**23, refined within its own
+    cell by the second."""
     hi, lo = draws.double().unbind(-1)
     return hi + (lo - 0.5) * (1.0 / 2**23)
 
