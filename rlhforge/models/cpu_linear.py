@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CpuLinear", "use_cpu_linear", "onednn_chosen", "bound_onednn_caches", "CACHE_CAPACITY", "linear", "is_plain_linear", "onednn_linear",
-           "decode_linear", "decode_linears", "PackedLinear", "best_seconds", "ENV", "MIN_GAIN"]
+__all__ = ["CpuLinear", "use_cpu_linear", "onednn_chosen", "bound_onednn_caches", "CACHE_CAPACITY", "linear",
+           "is_plain_linear", "onednn_linear", "decode_linear", "decode_linears", "PackedLinear", "best_seconds", "ENV",
+           "MIN_GAIN"]
 
 ENV = "RLHFORGE_CPU_LINEAR"
 MIN_GAIN = 1.25
@@ -185,7 +186,8 @@ class PackedLinear:
         if self._packed is not None and versions == self._versions:
             return
         with torch.no_grad():
-            plain = self.weights[0].detach() if len(self.weights) == 1 else torch.cat([w.detach() for w in self.weights])
+            weights = [w.detach() for w in self.weights]
+            plain = weights[0] if len(weights) == 1 else torch.cat(weights)
             if all(b is None for b in self.biases):
                 self._bias = None
             else:

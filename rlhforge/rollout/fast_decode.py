@@ -48,7 +48,6 @@ class FastDecoder:
         self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
         self.norm, self.lm_head = self._rms_norm(inner.norm), self._linear(model.lm_head)
         self.rope_fn = rope_fn
-        self.joint_rope = False  # the family's rotation equals rotate_pairs (build checks it): one pass over q and k
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -66,6 +65,8 @@ class FastDecoder:
                 # CpuLinear layers on oneDNN: q/k/v as one product, gate/up as one (rlhforge/models/cpu_linear.py)
                 qkv=decode_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
                 gate_up=decode_linears([mlp.gate_proj, mlp.up_proj]) if plain_mlp else None))
+        # the family's rotation is rotate_pairs' (checked once here): q and k rotated in one pass each step
+        self.joint_rope = bool(self.layers) and _rope_matches(rope_fn, self.layers[0]["head_dim"], model.dtype)
 
     @classmethod
     def build(cls, model, attention: str = "bmm") -> "FastDecoder | None":
@@ -90,9 +91,7 @@ class FastDecoder:
         rope_fn = getattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb", None)
         if rope_fn is None:
             return None
-        decoder = cls(model, rope_fn, attention)
-        decoder.joint_rope = _rope_matches(rope_fn, inner.layers[0].self_attn.head_dim, model.dtype)
-        return decoder
+        return cls(model, rope_fn, attention)
 
     @staticmethod
     def _linear(mod):

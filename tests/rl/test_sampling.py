@@ -137,8 +137,8 @@ def _one_level(probs, u):
 
 @pytest.mark.parametrize("vocab", [ONE_LEVEL_MAX + 1, 3001, 4096, 151936])
 def test_the_two_level_running_sum_draws_what_one_running_sum_draws(vocab):
-    """Above ONE_LEVEL_MAX entries the draw goes through float64 block sums and then one block: on thousands of rows (peaked
-    and flat softmaxes, zeros, a vocabulary that is not a multiple of the block) it picks the token the
+    """Above ONE_LEVEL_MAX entries the draw goes through float64 block sums and then one block: on thousands of
+    rows (peaked and flat softmaxes, zeros, a vocabulary that is not a multiple of the block) it picks the token the
     one-level float64 running sum picks, never a zero-probability one."""
     g = torch.Generator().manual_seed(vocab)
     rows = 4000 if vocab < 10000 else 64
