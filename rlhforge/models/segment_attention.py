@@ -19,6 +19,12 @@ varlen kernel does the same job. Inside the block, a call without ``cu_seq_lens_
 call of the block runs in fp32 (:func:`_in_fp32`): CPU's SDPA kernels are about 3x slower in bf16 than
 in fp32, the matmuls around them about 4x faster in bf16 (AVX512-BF16). The block is then also entered
 for padded batches of such forwards, which otherwise would not need it.
+
+**Padded batches of a grouped-query model on CPU.** transformers gives sdpa ``enable_gqa`` only when there is no
+mask (CUDA's kernels need that); with a padding mask it repeats every key/value head to the number of query heads
+first, copies that the backward then sums back per group. The block is also entered for such forwards
+(:func:`_padded_gqa_cpu`) and their masked attention runs with ``enable_gqa`` (:func:`_gqa_sdpa`): the same
+outputs bit for bit, and a GRPO training step at 16 x 8 x 64 about 4% faster with ~0.1 GB less peak memory.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
             mask = attention_mask
             if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
                 mask = mask.to(q.dtype)  # an additive mask built in the model's bf16, queries now in fp32
+            if _masked_gqa(module, q, mask, kwargs):
+                return _gqa_sdpa(q, k, v, mask, dropout, scaling)
             return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
                                           is_causal=is_causal, **kwargs)[0]
         return _in_fp32(plain, query, key, value), None
@@ -79,6 +87,24 @@ def _in_fp32(attend, query, key, value, *args):
     out_dtype = torch.get_autocast_dtype("cpu") if autocast else query.dtype
     with torch.autocast("cpu", enabled=False):
         return attend(query.float(), key.float(), value.float(), *args).to(out_dtype)
+
+
+def _masked_gqa(module, query, mask, kwargs) -> bool:
+    """A masked CPU call of a grouped-query layer that transformers would give sdpa with the key/value heads
+    repeated (its ``use_gqa_in_sdpa`` allows ``enable_gqa`` only without a mask, for CUDA's sake)."""
+    return (mask is not None and query.device.type == "cpu" and getattr(module, "num_key_value_groups", 1) > 1
+            and kwargs.get("position_bias") is None and kwargs.get("cache") is None)
+
+
+def _gqa_sdpa(query, key, value, mask, dropout: float, scaling: float | None) -> torch.Tensor:
+    """sdpa with the mask and ``enable_gqa``: the outputs equal those of the repeated heads bit for bit (each query
+    head reads its group's key/value head either way); the key/value gradients differ in the order of the group's
+    sum. At 128 rows x 80 tokens (8 heads, 4 kv, head_dim 32) a layer's forward + backward took 48 ms against 67-72
+    with the heads repeated (their copies, and the backward's sum over each group, are gone), and the copies are
+    not kept for the backward."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
 
 
 def _per_sample_sdpa(query, key, value, bounds: list[int], dropout: float, scaling: float | None) -> torch.Tensor:
@@ -181,13 +207,25 @@ def _low_precision_cpu(model, kwargs: Mapping[str, Any]) -> bool:
     return param is not None and param.dtype in (torch.bfloat16, torch.float16)
 
 
+def _padded_gqa_cpu(model, kwargs: Mapping[str, Any]) -> bool:
+    """A text-only padded forward (an ``attention_mask``) of a grouped-query model where the sample-by-sample
+    attention would apply: its masked attention runs with ``enable_gqa`` (:func:`_gqa_sdpa`)."""
+    ids = kwargs.get("input_ids")
+    if ids is None or kwargs.get("attention_mask") is None or kwargs.get("pixel_values") is not None:
+        return False
+    config = _text_config(model)
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    return bool(heads and kv and kv < heads) and segments_apply(model, ids)
+
+
 @contextlib.contextmanager
 def segment_attention(model, kwargs: Mapping[str, Any]):
     """Within the block, ``model`` attends with :func:`_segment_sdpa` if ``kwargs`` carry sample boundaries,
-    or if the forward is a low-precision one on CPU (padded batches then attend through sdpa in fp32)."""
+    if the forward is a low-precision one on CPU (padded batches then attend through sdpa in fp32), or if it is
+    a padded CPU forward of a grouped-query model (masked sdpa then reads the key/value heads unrepeated)."""
     config = _text_config(model)
     if config is None or ("cu_seq_lens_q" not in kwargs and SPANS_KEY not in kwargs
-                          and not _low_precision_cpu(model, kwargs)):
+                          and not _low_precision_cpu(model, kwargs) and not _padded_gqa_cpu(model, kwargs)):
         yield
         return
     before = config._attn_implementation_internal
