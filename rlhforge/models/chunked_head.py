@@ -41,7 +41,7 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from rlhforge.models.cpu_linear import CpuLinear, is_plain_linear, onednn_linear
+from rlhforge.models.cpu_linear import CpuLinear, is_plain_linear, onednn_linear, weight_grad
 
 __all__ = ["head_for", "deferred_head", "head_logprobs", "chunk_rows"]
 
@@ -276,7 +276,7 @@ def _onednn_grad_weight(grad_weight: Tensor | None, g: Tensor, hid: Tensor) -> T
     :data:`ONEDNN_BLOCK_BYTES` of product at a time."""
     vocab, block = g.shape[1], _block(ONEDNN_BLOCK_BYTES, hid.shape[1])
     if grad_weight is None and vocab <= block:
-        return onednn_linear(g.t(), hid.t(), None)
+        return weight_grad(g, hid)  # the smaller transposition (cpu_linear.weight_grad)
     first = grad_weight is None
     if first:
         grad_weight = torch.empty(vocab, hid.shape[1], dtype=hid.dtype, device=hid.device)

@@ -45,6 +45,26 @@ def test_values_and_gradients_match_f_linear(onednn, shape, with_bias):
         _close(a, e)
 
 
+@pytest.mark.parametrize("out, inp, copied", [(96, 16, (16, 64)), (16, 96, (16, 64)), (40, 40, (40, 64))])
+def test_the_weight_gradient_copies_the_smaller_transposition(onednn, monkeypatch, out, inp, copied):
+    """``grad.T @ x`` with oneDNN's first operand the smaller of ``grad.T`` and ``x.T`` (plus the transposed
+    result): a widening layer (96 out of 16) reads ``x.T``, a narrowing one and a square one ``grad.T``; the
+    gradient is ``[out, in]``, contiguous, equal to BLAS's and to the layer's own backward through ``linear``."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, inp, generator=g, requires_grad=True)
+    w = torch.randn(out, inp, generator=g, requires_grad=True)
+    up = torch.randn(64, out, generator=g)
+    firsts = []
+    real = cpu_linear.onednn_linear
+    monkeypatch.setattr(cpu_linear, "onednn_linear", lambda a, *rest: firsts.append(tuple(a.shape)) or real(a, *rest))
+    grad_w = cpu_linear.weight_grad(up, x.detach())
+    assert firsts == [copied]
+    assert grad_w.shape == (out, inp) and grad_w.is_contiguous()
+    _close(grad_w, up.t().mm(x.detach()))
+    (got,) = torch.autograd.grad((linear(x, w, None) * up).sum(), [w])
+    assert torch.equal(got, grad_w)
+
+
 def test_non_contiguous_input_and_frozen_weight(onednn):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(48, 10, generator=g).t().requires_grad_()  # [10, 48], transposed strides
@@ -217,6 +237,8 @@ def test_fused_head_on_onednn_equals_its_checkpointed_chunks_and_blas(onednn, ke
     calls = []
     real = chunked_head.onednn_linear
     monkeypatch.setattr(chunked_head, "onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    real_grad = chunked_head.weight_grad  # the weight's gradient of an unblocked chunk
+    monkeypatch.setattr(chunked_head, "weight_grad", lambda *a: calls.append(a[0].shape) or real_grad(*a))
     fused = run(head)
     # the products by oneDNN: three chunks' logits, then per chunk the hidden states' and the weight's gradients
     # (with keep=False the logits again). Blocked: the weight's gradient in 10 blocks of 100 rows per chunk; with
