@@ -98,12 +98,13 @@ def test_not_shared_where_it_does_not_apply(tiny_model_dir):
     assert _shared_prefix_inputs(eager, batch, aux=False) is None
     assert _shared_prefix_inputs(sdpa, batch, aux=True) is None
     assert _shared_prefix_inputs(sdpa, {**batch, "routed_experts": torch.zeros(1)}, aux=False) is None
-    # a 10-token prompt before two 60-token answers saves 10 of 130 tokens (< MIN_SAVED): kept whole
-    long_answers = collate_padded([{"input_ids": list(range(4, 14)) + [20 + i] * 60, "loss_mask": [1] * 70}
+    # a 10-token prompt before two 100-token answers saves 10 of 220 tokens (< MIN_SAVED, 5%): kept whole
+    long_answers = collate_padded([{"input_ids": list(range(4, 14)) + [20 + i] * 100, "loss_mask": [1] * 110}
                                    for i in range(2)], pad_id=0)
     assert shared_prefix_layout(long_answers) is None
-    short_answers = collate_padded([{"input_ids": list(range(4, 14)) + [20 + i] * 15, "loss_mask": [1] * 25}
+    # before two 60-token answers it saves 10 of 140 (7%): shared
+    short_answers = collate_padded([{"input_ids": list(range(4, 14)) + [20 + i] * 60, "loss_mask": [1] * 70}
                                     for i in range(2)], pad_id=0)
-    assert shared_prefix_layout(short_answers).input_ids.shape[1] == 10 + 2 * 15  # 10 of 50 saved: shared
+    assert shared_prefix_layout(short_answers).input_ids.shape[1] == 10 + 2 * 60
     distinct = collate_padded([{"input_ids": [i + 4] * 12, "loss_mask": [1] * 12} for i in range(4)], pad_id=0)
     assert shared_prefix_layout(distinct) is None
