@@ -19,6 +19,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from rlhforge.models.segment_attention import masked_gqa_sdpa
+
 __all__ = ["NAME", "decode_attention"]
 
 NAME = "rlhforge_cpu_decode_sdpa"
@@ -38,9 +40,7 @@ def _cpu_decode_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     groups = getattr(module, "num_key_value_groups", 1)
     if (query.shape[2] == 1 and query.device.type == "cpu" and groups > 1 and dropout == 0.0
             and position_bias is None and not kwargs.get("output_attentions", False) and "cache" not in kwargs):
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                               scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
+        return masked_gqa_sdpa(query, key, value, attention_mask, 0.0, scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, position_bias=position_bias, **kwargs)
 
